@@ -1,0 +1,115 @@
+"""The one interface every KV-cache variant implements, and the memory accounting they share.
+
+Every variant hands each sequence a *block table*: a list of physical block ids, each
+block holding `block_size` consecutive token slots of the shared KVPool. Token position p
+of a sequence lives in slot `table[p // block_size] * block_size + p % block_size`.
+The naive cache is the special case of one block of `max_model_len` slots per sequence.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.pool import KVPool
+from kvlab.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """KV memory as every variant reports it, so side-by-side plots are fair."""
+
+    budget_bytes: int  # the whole pool
+    reserved_bytes: int  # slots set aside for running sequences
+    live_bytes: int  # slots that hold a token's K/V right now
+
+    @property
+    def waste_bytes(self) -> int:
+        return self.reserved_bytes - self.live_bytes
+
+    @property
+    def waste_frac(self) -> float:
+        return self.waste_bytes / self.reserved_bytes if self.reserved_bytes else 0.0
+
+
+class KVCache(ABC):
+    """Decides which slots of the pool belong to which sequence."""
+
+    name: str
+
+    def __init__(self, pool: KVPool, block_size: int, max_model_len: int, poison_freed: bool):
+        if pool.num_slots % block_size:
+            raise ValueError(f"pool of {pool.num_slots} slots is not a multiple of {block_size=}")
+        self.pool = pool
+        self.block_size = block_size
+        self.num_blocks = pool.num_slots // block_size
+        self.max_model_len = max_model_len
+        self.poison_freed = poison_freed
+        self.sequences: dict[int, Sequence] = {}  # admitted, by request id
+
+    # --- what each variant decides -------------------------------------------------
+    @abstractmethod
+    def can_admit(self, seq: Sequence) -> bool:
+        """Whether `seq` can be admitted now without endangering running sequences."""
+
+    @abstractmethod
+    def _allocate(self, seq: Sequence) -> None:
+        """Reserve what this variant reserves at admission."""
+
+    @abstractmethod
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
+        """Make positions [0, num_tokens) of `seq` writable."""
+
+    @abstractmethod
+    def _release(self, seq: Sequence) -> list[int]:
+        """Give back the sequence's blocks; return those that became free."""
+
+    @abstractmethod
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids holding the sequence's tokens, in logical order."""
+
+    @abstractmethod
+    def reserved_slots(self) -> int:
+        """Token slots set aside for admitted sequences."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the broken invariant, if any."""
+
+    # --- shared behaviour ----------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        if seq.request_id in self.sequences:
+            raise ValueError(f"request {seq.request_id} is already admitted")
+        self._allocate(seq)
+        self.sequences[seq.request_id] = seq
+
+    def free(self, seq: Sequence) -> None:
+        """Release everything `seq` holds (idempotent for sequences never admitted)."""
+        if self.sequences.pop(seq.request_id, None) is None:
+            return
+        freed = self._release(seq)
+        if self.poison_freed and freed:
+            self.pool.poison(self.block_slots(freed))
+
+    def block_slots(self, blocks: list[int]) -> torch.Tensor:
+        """All slots of the given blocks, (len(blocks) * block_size,) int64."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
+        offsets = torch.arange(self.block_size, device=self.pool.device)
+        return (ids[:, None] * self.block_size + offsets).reshape(-1)
+
+    def live_tokens(self) -> int:
+        return sum(seq.num_computed for seq in self.sequences.values())
+
+    def memory(self) -> MemoryStats:
+        per_token = self.pool.bytes_per_token
+        return MemoryStats(
+            budget_bytes=self.pool.num_slots * per_token,
+            reserved_bytes=self.reserved_slots() * per_token,
+            live_bytes=self.live_tokens() * per_token,
+        )
+
+    @property
+    def num_running(self) -> int:
+        return len(self.sequences)

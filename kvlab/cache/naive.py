@@ -1,0 +1,63 @@
+"""The naive cache: one contiguous buffer of max_model_len slots per sequence.
+
+This is what early serving systems did (and what `past_key_values` tensors of a fixed
+batch do): reserve the worst case at admission. A 40-token answer to a 100-token prompt
+still holds max_model_len slots; the difference is waste.
+"""
+
+from __future__ import annotations
+
+from kvlab.cache.base import KVCache
+from kvlab.cache.pool import KVPool
+from kvlab.sequence import Sequence
+
+
+class NaiveCache(KVCache):
+    """Contiguous per-sequence regions; region i covers slots [i*L, (i+1)*L)."""
+
+    name = "naive"
+
+    def __init__(self, pool: KVPool, max_model_len: int, poison_freed: bool = False):
+        num_regions = pool.num_slots // max_model_len
+        if num_regions == 0:
+            raise ValueError(
+                f"KV budget of {pool.num_slots} token slots is smaller than one naive "
+                f"sequence (max_model_len={max_model_len}); raise the budget or lower "
+                "max_model_len"
+            )
+        super().__init__(pool, max_model_len, max_model_len, poison_freed)
+        self.free_regions = list(range(num_regions - 1, -1, -1))  # a stack: pop() gives 0 first
+        self.region_of: dict[int, int] = {}  # request id -> region
+
+    def can_admit(self, seq: Sequence) -> bool:
+        return bool(self.free_regions)
+
+    def _allocate(self, seq: Sequence) -> None:
+        if not self.free_regions:
+            raise RuntimeError("no free region: call can_admit() first")
+        self.region_of[seq.request_id] = self.free_regions.pop()
+
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
+
+    def _release(self, seq: Sequence) -> list[int]:
+        region = self.region_of.pop(seq.request_id)
+        self.free_regions.append(region)
+        return [region]
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return [self.region_of[seq.request_id]]
+
+    def reserved_slots(self) -> int:
+        return len(self.region_of) * self.max_model_len
+
+    def check_integrity(self) -> None:
+        used = list(self.region_of.values())
+        total = self.num_blocks
+        assert len(set(used)) == len(used), f"a region is owned twice: {sorted(used)}"
+        assert not set(used) & set(self.free_regions), "a region is both used and free"
+        assert len(used) + len(self.free_regions) == total, (
+            f"free {len(self.free_regions)} + used {len(used)} != total {total}"
+        )
+        assert set(self.region_of) == set(self.sequences), "region owners != admitted sequences"

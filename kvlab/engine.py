@@ -1,0 +1,279 @@
+"""The engine: requests in, tokens out, one batched forward per step.
+
+    engine = Engine(load_model(), EngineConfig(cache="naive"))
+    outputs = engine.generate(["What is the capital of France?"], SamplingParams())
+
+or, for continuous batching by hand: `add_request(...)`, then `step()` until
+`has_unfinished()` is False.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from kvlab.attention_metadata import build_attention_metadata
+from kvlab.cache import KVCache, KVPool, NaiveCache
+from kvlab.config import DEFAULT_BUDGET_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig, SamplingParams
+from kvlab.model_loading import LoadedModel
+from kvlab.model_runner import ModelRunner
+from kvlab.outputs import RequestMetrics, RequestOutput
+from kvlab.sampler import sample
+from kvlab.scheduler import Batch, Scheduler
+from kvlab.sequence import Sequence
+from kvlab.telemetry import StepRecord, Telemetry
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """Serves requests on one model with one KV-cache variant."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        self.tokenizer = model.tokenizer
+        self.runner = ModelRunner(model.hf_model)
+        self.max_model_len = self._resolve_max_model_len()
+        self.cache = self._make_cache()
+        self.scheduler = Scheduler(self.config, self.cache)
+        self.telemetry = Telemetry()
+        self.eos_ids = _eos_ids(model)
+        self._next_id = 0
+        self._steps = 0
+        self._start = time.perf_counter()
+
+    # --- set-up ------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        cfg = self.model.config
+        limit = cfg.max_position_embeddings
+        if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+            limit = min(limit, cfg.sliding_window)  # kvlab attends to the full context
+        wanted = self.config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if wanted > limit:
+            raise ValueError(f"EngineConfig.max_model_len={wanted} exceeds the model's {limit}")
+        return wanted
+
+    def _make_cache(self) -> KVCache:
+        spec = self.runner.kv_spec
+        per_token = spec.bytes_per_token(self.runner.dtype)
+        if self.config.kv_budget_bytes is not None:
+            slots = self.config.kv_budget_bytes // per_token
+        else:
+            slots = self.config.kv_budget_tokens or DEFAULT_BUDGET_TOKENS
+        slots -= slots % self.max_model_len
+        if slots == 0:
+            raise ValueError(
+                f"KV budget holds fewer than max_model_len={self.max_model_len} token slots "
+                f"({per_token} bytes each): too small for even one naive sequence"
+            )
+        pool = KVPool(spec, slots, self.runner.dtype, self.runner.device)
+        return NaiveCache(pool, self.max_model_len, poison_freed=self.config.poison_freed)
+
+    # --- requests ----------------------------------------------------------------------
+    def clock(self) -> float:
+        """Seconds since the engine was created."""
+        return time.perf_counter() - self._start
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt; strings get the chat template when the model has one."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character")
+            if chat is None:
+                chat = bool(getattr(self.tokenizer, "chat_template", None))
+            if chat:
+                messages = [{"role": "user", "content": prompt}]
+                return list(
+                    self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        vocab = self.runner.embed.shape[0]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token id")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the vocabulary size)")
+        return ids
+
+    def make_sequence(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        chat: bool | None = None,
+        arrival_s: float | None = None,
+    ) -> Sequence:
+        """Validate a request and build its Sequence, without queueing it."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt, chat)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not leave room for one new token within "
+                f"max_model_len={self.max_model_len}"
+            )
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator().manual_seed(
+                params.seed if params.seed is not None else torch.seed()
+            )
+        seq = Sequence(self._next_id, ids, params, generator=generator)
+        seq.arrival_s = self.clock() if arrival_s is None else arrival_s
+        self._next_id += 1
+        return seq
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        chat: bool | None = None,
+        arrival_s: float | None = None,
+    ) -> int:
+        """Queue a request (raises ValueError for bad input, queuing nothing); returns its id."""
+        seq = self.make_sequence(prompt, params, chat=chat, arrival_s=arrival_s)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward (prefill or decode); return requests that finished."""
+        batch = self.scheduler.schedule(self.clock())
+        if batch is None:
+            self._wait_for_arrival()
+            return []
+        started = time.perf_counter()
+        tokens = self._forward(batch)
+        finished = self._advance(batch, tokens)
+        self._record(batch, time.perf_counter() - started)
+        return finished
+
+    def _forward(self, batch: Batch) -> list[int]:
+        starts, ids, tables = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            self.cache.ensure_capacity(seq, seq.num_computed + n)
+            starts.append(seq.num_computed)
+            ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+            tables.append(self.cache.block_table(seq))
+        device = self.runner.device
+        meta = build_attention_metadata(
+            starts, batch.num_new_tokens, tables, self.cache.block_size, device
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        logits = self.runner.forward(input_ids, meta, self.cache.pool)  # (B, vocab)
+        return sample(logits, batch.seqs)
+
+    def _advance(self, batch: Batch, tokens: list[int]) -> list[RequestOutput]:
+        now, finished = self.clock(), []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+            seq.num_computed += n
+            seq.output_ids.append(token)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            reason = self._finish_reason(seq, token)
+            if reason:
+                seq.finish_s, seq.finish_reason = now, reason
+                self.scheduler.finish(seq)
+                finished.append(self._output(seq))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_ids and not seq.params.ignore_eos:
+            return "eos"
+        if len(seq.output_ids) >= seq.params.max_new_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "max_model_len"
+        return None
+
+    def _wait_for_arrival(self) -> None:
+        upcoming = self.scheduler.next_arrival()
+        if upcoming is not None and not self.scheduler.running:
+            time.sleep(max(0.0, min(upcoming - self.clock(), 1.0)))
+
+    def _record(self, batch: Batch, step_s: float) -> None:
+        memory = self.cache.memory()
+        self._steps += 1
+        self.telemetry.record(
+            StepRecord(
+                step=self._steps,
+                time_s=self.clock(),
+                phase="prefill" if batch.is_prefill else "decode",
+                batch_seqs=len(batch.seqs),
+                tokens=batch.num_tokens,
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                reserved_bytes=memory.reserved_bytes,
+                live_bytes=memory.live_bytes,
+                waste_bytes=memory.waste_bytes,
+                budget_bytes=memory.budget_bytes,
+                step_s=step_s,
+            )
+        )
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        metrics = RequestMetrics(
+            seq.arrival_s, seq.first_token_s, seq.finish_s, len(seq.output_ids)
+        )
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return RequestOutput(
+            seq.request_id, seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, metrics
+        )
+
+    # --- batch API ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        chat: bool | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one output per prompt, in order.
+
+        All prompts are validated before any work starts: a bad one raises ValueError and
+        nothing is queued.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("generate() takes a list of prompts; wrap a single prompt in [...]")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        seqs = [self.make_sequence(p, sp, chat=chat) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        wanted = {seq.request_id: None for seq in seqs}
+        total = sum(sp.max_new_tokens for sp in sampling_params)
+        with tqdm(total=total, desc="generate", unit="tok", disable=not progress) as bar:
+            remaining = len(wanted)
+            while remaining:
+                before = sum(len(s.output_ids) for s in seqs)
+                for out in self.step():
+                    if out.request_id in wanted:
+                        wanted[out.request_id] = out
+                        remaining -= 1
+                bar.update(sum(len(s.output_ids) for s in seqs) - before)
+        return list(wanted.values())
+
+    def stats(self) -> pd.DataFrame:
+        """Per-step telemetry as a DataFrame."""
+        return self.telemetry.frame()
+
+
+def _eos_ids(model: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model.hf_model, "generation_config", None), model.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return ids

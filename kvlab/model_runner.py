@@ -1,0 +1,131 @@
+"""kvlab's own Llama-family forward pass, reading and writing K/V through a KVPool.
+
+Embedding -> N x [RMSNorm -> QKV (+bias for Qwen2) -> RoPE -> GQA attention over the
+pool -> O proj -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head
+(tied to the embedding when the model ties them). Weights are the transformers model's
+own tensors; Q/K/V and gate/up projections are fused into one matmul each.
+
+All tokens of a step, from every running sequence, are packed into one (T, hidden)
+matrix, so each linear layer runs once per step for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.attention import pooled_attention
+from kvlab.attention_metadata import AttentionMetadata
+from kvlab.cache.pool import KVPool, KVSpec
+
+AttentionFn = Callable[[torch.Tensor, int, KVPool, AttentionMetadata, float], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, hidden)
+    qkv_bias: torch.Tensor | None  # Qwen2 has one; Llama and Mistral do not
+    o: torch.Tensor  # (hidden, heads * head_dim)
+    post_norm: torch.Tensor  # (hidden,)
+    gate_up: torch.Tensor  # (2 * intermediate, hidden)
+    down: torch.Tensor  # (hidden, intermediate)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, computed in fp32 like the reference implementation."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class ModelRunner:
+    """Runs the model on packed tokens; attention goes through `attention_fn`."""
+
+    def __init__(self, hf_model: torch.nn.Module, attention_fn: AttentionFn = pooled_attention):
+        cfg = hf_model.config
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg.hidden_act!r}: kvlab's MLP is SwiGLU (silu)")
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.kv_spec = KVSpec(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim)
+        self.attention_fn = attention_fn
+
+        base = hf_model.model
+        self.embed = base.embed_tokens.weight  # (vocab, hidden)
+        self.final_norm = base.norm.weight
+        self.lm_head = hf_model.lm_head.weight  # the embedding itself when tied
+        # RoPE: inv_freq[i] = theta^(-2i/head_dim), already adjusted by any rope scaling.
+        self.inv_freq = base.rotary_emb.inv_freq.float()
+        self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
+        self.layers = [self._layer_weights(layer) for layer in base.layers]
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+
+    @staticmethod
+    def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        has_bias = attn.q_proj.bias is not None
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv=torch.cat([p.weight for p in projections]).detach(),
+            qkv_bias=torch.cat([p.bias for p in projections]).detach() if has_bias else None,
+            o=attn.o_proj.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+            down=mlp.down_proj.weight,
+        )
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the given positions: (T, head_dim) each."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, head_dim/2)
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        pool: KVPool,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """One step for the whole batch.
+
+        input_ids: (T,) new tokens, packed sequence by sequence.
+        Returns logits (B, vocab) at each sequence's last new token, or (T, vocab) if
+        `all_logits` (teacher-forced scoring).
+        """
+        h = self.embed[input_ids]  # (T, hidden)
+        cos, sin = self.rope(meta.positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for index, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, self.eps)
+            q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            pool.write(index, meta.slot_mapping, k, v)
+            attn = self.attention_fn(q, index, pool, meta, self.scale)  # (T, heads, head_dim)
+            h = h + F.linear(attn.reshape(-1, n_q), w.o)
+            x = rms_norm(h, w.post_norm, self.eps)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down)
+        if not all_logits:
+            h = h[meta.last_token_index]  # (B, hidden)
+        return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head).float()

@@ -1,0 +1,41 @@
+"""What the engine hands back for each finished request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Engine-clock times in seconds (0 = engine creation)."""
+
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    num_output_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: arrival to the first generated token."""
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first (0 for one-token outputs)."""
+        if self.num_output_tokens <= 1:
+            return 0.0
+        return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str  # "eos" | "length" | "max_model_len"
+    metrics: RequestMetrics

@@ -1,0 +1,35 @@
+"""Turn each sequence's next-token logits into a token: greedy, or seeded sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.config import SamplingParams
+from kvlab.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits: (B, vocab) float32, one row per sequence -> one token id per sequence."""
+    tokens = logits.argmax(dim=-1).tolist()  # greedy for every row, then override sampled rows
+    for row, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            tokens[row] = sample_one(logits[row], seq.params, seq.generator)
+    return tokens
+
+
+def sample_one(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """Temperature, then top-k, then top-p (nucleus) filtering, then one multinomial draw."""
+    logits = logits.float() / params.temperature  # (vocab,)
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token once the tokens before it already cover top_p of the mass.
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        logits = logits.scatter(0, order[drop], float("-inf"))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())

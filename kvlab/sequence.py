@@ -1,0 +1,51 @@
+"""A request as the engine tracks it: its tokens, its state and its timings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV memory
+    RUNNING = "running"  # admitted, its KV lives in the cache
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request. `num_computed` counts the tokens whose K/V are stored in the cache."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by the tokens generated so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: the whole prompt before prefill, 1 token per decode."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,37 @@
+"""One row per engine step, exposed as a pandas DataFrame for plots."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    time_s: float  # engine clock at the end of the step
+    phase: str  # "prefill" | "decode"
+    batch_seqs: int  # sequences in this step's forward
+    tokens: int  # tokens computed this step
+    running: int  # sequences holding KV memory after the step
+    waiting: int  # requests queued after the step
+    reserved_bytes: int
+    live_bytes: int
+    waste_bytes: int
+    budget_bytes: int
+    step_s: float  # wall time of the step
+
+
+class Telemetry:
+    """Collects StepRecords; `frame()` gives them as a DataFrame."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def record(self, row: StepRecord) -> None:
+        self.records.append(row)
+
+    def frame(self) -> pd.DataFrame:
+        columns = list(StepRecord.__dataclass_fields__)
+        return pd.DataFrame([asdict(r) for r in self.records], columns=columns)

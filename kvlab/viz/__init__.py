@@ -1,0 +1,1 @@
+"""Widget apps and plotly figures used by the notebooks."""
