@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CACHE_KINDS = ("naive",)
+CACHE_KINDS = ("naive", "paged")
 BATCHING_MODES = ("continuous", "static")
 
 # Default KV budget when neither kv_budget_bytes nor kv_budget_tokens is given:
@@ -23,7 +23,9 @@ class EngineConfig:
     """How the engine manages its KV cache and batches requests.
 
     Attributes:
-        cache: KV-cache variant: "naive" (one contiguous max_model_len buffer per sequence).
+        cache: KV-cache variant: "naive" (one contiguous max_model_len buffer per sequence)
+            or "paged" (fixed-size blocks found through a block table).
+        block_size: token slots per block of the paged cache.
         max_model_len: longest sequence (prompt + output) in tokens; defaults to the
             model's max_position_embeddings, capped at 8192.
         kv_budget_bytes: KV memory budget in bytes (at most one of the two budget fields).
@@ -36,9 +38,12 @@ class EngineConfig:
             "static" (a new batch starts only when the whole previous batch is done).
         poison_freed: debug mode: fill freed KV slots with NaN, so a read of another
             sequence's stale state would show up as NaN output.
+        record_block_map: keep, for every step, which request owns each physical block
+            (for block-map plots; costs one list of num_blocks ints per step).
     """
 
     cache: str = "naive"
+    block_size: int = 16
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
     kv_budget_tokens: int | None = None
@@ -46,6 +51,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     batching: str = "continuous"
     poison_freed: bool = False
+    record_block_map: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -63,7 +69,7 @@ class EngineConfig:
         for name in ("max_model_len", "kv_budget_bytes", "kv_budget_tokens"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"EngineConfig.{name}={value} must be > 0")
-        for name in ("max_num_seqs", "max_prefill_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from kvlab.attention_metadata import build_attention_metadata
-from kvlab.cache import KVCache, KVPool, NaiveCache
-from kvlab.config import DEFAULT_BUDGET_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig, SamplingParams
+from kvlab.cache import make_cache
+from kvlab.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SamplingParams
 from kvlab.model_loading import LoadedModel
 from kvlab.model_runner import ModelRunner
 from kvlab.outputs import RequestMetrics, RequestOutput
@@ -26,6 +27,9 @@ from kvlab.sampler import sample
 from kvlab.scheduler import Batch, Scheduler
 from kvlab.sequence import Sequence
 from kvlab.telemetry import StepRecord, Telemetry
+
+if TYPE_CHECKING:
+    from kvlab.workloads import Request
 
 Prompt = str | list[int]
 
@@ -39,10 +43,17 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.runner = ModelRunner(model.hf_model)
         self.max_model_len = self._resolve_max_model_len()
-        self.cache = self._make_cache()
+        self.cache = make_cache(
+            self.config,
+            self.runner.kv_spec,
+            self.runner.dtype,
+            self.runner.device,
+            self.max_model_len,
+        )
         self.scheduler = Scheduler(self.config, self.cache)
         self.telemetry = Telemetry()
         self.eos_ids = _eos_ids(model)
+        self.finished: list[RequestOutput] = []  # every finished request, in finish order
         self._next_id = 0
         self._steps = 0
         self._start = time.perf_counter()
@@ -57,22 +68,6 @@ class Engine:
         if wanted > limit:
             raise ValueError(f"EngineConfig.max_model_len={wanted} exceeds the model's {limit}")
         return wanted
-
-    def _make_cache(self) -> KVCache:
-        spec = self.runner.kv_spec
-        per_token = spec.bytes_per_token(self.runner.dtype)
-        if self.config.kv_budget_bytes is not None:
-            slots = self.config.kv_budget_bytes // per_token
-        else:
-            slots = self.config.kv_budget_tokens or DEFAULT_BUDGET_TOKENS
-        slots -= slots % self.max_model_len
-        if slots == 0:
-            raise ValueError(
-                f"KV budget holds fewer than max_model_len={self.max_model_len} token slots "
-                f"({per_token} bytes each): too small for even one naive sequence"
-            )
-        pool = KVPool(spec, slots, self.runner.dtype, self.runner.device)
-        return NaiveCache(pool, self.max_model_len, poison_freed=self.config.poison_freed)
 
     # --- requests ----------------------------------------------------------------------
     def clock(self) -> float:
@@ -125,6 +120,7 @@ class Engine:
             )
         seq = Sequence(self._next_id, ids, params, generator=generator)
         seq.arrival_s = self.clock() if arrival_s is None else arrival_s
+        self.cache.check_fits(seq)
         self._next_id += 1
         return seq
 
@@ -184,6 +180,7 @@ class Engine:
                 seq.finish_s, seq.finish_reason = now, reason
                 self.scheduler.finish(seq)
                 finished.append(self._output(seq))
+        self.finished.extend(finished)
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -212,12 +209,15 @@ class Engine:
                 tokens=batch.num_tokens,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
+                blocks_used=self.cache.num_blocks - self.cache.num_free_blocks(),
+                blocks_free=self.cache.num_free_blocks(),
                 reserved_bytes=memory.reserved_bytes,
                 live_bytes=memory.live_bytes,
                 waste_bytes=memory.waste_bytes,
                 budget_bytes=memory.budget_bytes,
                 step_s=step_s,
-            )
+            ),
+            self.cache.block_owners() if self.config.record_block_map else None,
         )
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -250,10 +250,33 @@ class Engine:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         seqs = [self.make_sequence(p, sp, chat=chat) for p, sp in zip(prompts, sampling_params)]
+        return self._drain(seqs, progress)
+
+    def run(
+        self, requests: Seq[Request], *, ignore_eos: bool = False, progress: bool = False
+    ) -> list[RequestOutput]:
+        """Serve a workload (kvlab.workloads): request i arrives `arrival_s` after the call.
+
+        Returns one output per request, in order. All requests are validated first.
+        `ignore_eos` makes every request produce exactly its max_new_tokens (benchmarks).
+        """
+        offset = self.clock()
+        seqs = [
+            self.make_sequence(
+                r.prompt,
+                SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=ignore_eos),
+                arrival_s=offset + r.arrival_s,
+            )
+            for r in requests
+        ]
+        return self._drain(seqs, progress)
+
+    def _drain(self, seqs: list[Sequence], progress: bool) -> list[RequestOutput]:
+        """Queue `seqs` and step until all of them are finished."""
         for seq in seqs:
             self.scheduler.add(seq)
         wanted = {seq.request_id: None for seq in seqs}
-        total = sum(sp.max_new_tokens for sp in sampling_params)
+        total = sum(seq.params.max_new_tokens for seq in seqs)
         with tqdm(total=total, desc="generate", unit="tok", disable=not progress) as bar:
             remaining = len(wanted)
             while remaining:
@@ -266,8 +289,26 @@ class Engine:
         return list(wanted.values())
 
     def stats(self) -> pd.DataFrame:
-        """Per-step telemetry as a DataFrame."""
+        """Per-step telemetry as a DataFrame (one row per step)."""
         return self.telemetry.frame()
+
+    def request_stats(self) -> pd.DataFrame:
+        """One row per finished request: arrival, first token, finish, ttft, tpot, tokens."""
+        rows = [
+            {
+                "request_id": out.request_id,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "output_tokens": len(out.token_ids),
+                "arrival_s": out.metrics.arrival_s,
+                "first_token_s": out.metrics.first_token_s,
+                "finish_s": out.metrics.finish_s,
+                "ttft_s": out.metrics.ttft_s,
+                "tpot_s": out.metrics.tpot_s,
+                "finish_reason": out.finish_reason,
+            }
+            for out in self.finished
+        ]
+        return pd.DataFrame(rows)
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

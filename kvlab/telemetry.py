@@ -16,6 +16,8 @@ class StepRecord:
     tokens: int  # tokens computed this step
     running: int  # sequences holding KV memory after the step
     waiting: int  # requests queued after the step
+    blocks_used: int  # physical blocks held by sequences (naive: regions)
+    blocks_free: int
     reserved_bytes: int
     live_bytes: int
     waste_bytes: int
@@ -24,13 +26,20 @@ class StepRecord:
 
 
 class Telemetry:
-    """Collects StepRecords; `frame()` gives them as a DataFrame."""
+    """Collects StepRecords; `frame()` gives them as a DataFrame.
+
+    `block_maps[i]`, when recorded, lists the owner (request id, or -1 for free) of every
+    physical block after step i + 1.
+    """
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.block_maps: list[list[int]] = []
 
-    def record(self, row: StepRecord) -> None:
+    def record(self, row: StepRecord, block_map: list[int] | None = None) -> None:
         self.records.append(row)
+        if block_map is not None:
+            self.block_maps.append(block_map)
 
     def frame(self) -> pd.DataFrame:
         columns = list(StepRecord.__dataclass_fields__)

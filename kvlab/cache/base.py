@@ -75,8 +75,20 @@ class KVCache(ABC):
         """Token slots set aside for admitted sequences."""
 
     @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+
+    @abstractmethod
+    def block_owners(self) -> list[int]:
+        """For each physical block, the request id holding it, or -1 (for block maps)."""
+
+    @abstractmethod
     def check_integrity(self) -> None:
         """Raise AssertionError naming the broken invariant, if any."""
+
+    @abstractmethod
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ValueError if `seq` could never be served within this cache's budget."""
 
     # --- shared behaviour ----------------------------------------------------------
     def admit(self, seq: Sequence) -> None:

@@ -29,6 +29,9 @@ class NaiveCache(KVCache):
         self.free_regions = list(range(num_regions - 1, -1, -1))  # a stack: pop() gives 0 first
         self.region_of: dict[int, int] = {}  # request id -> region
 
+    def check_fits(self, seq: Sequence) -> None:
+        pass  # every region holds max_model_len tokens, and the engine caps sequences there
+
     def can_admit(self, seq: Sequence) -> bool:
         return bool(self.free_regions)
 
@@ -51,6 +54,15 @@ class NaiveCache(KVCache):
 
     def reserved_slots(self) -> int:
         return len(self.region_of) * self.max_model_len
+
+    def num_free_blocks(self) -> int:
+        return len(self.free_regions)
+
+    def block_owners(self) -> list[int]:
+        owners = [-1] * self.num_blocks
+        for request_id, region in self.region_of.items():
+            owners[region] = request_id
+        return owners
 
     def check_integrity(self) -> None:
         used = list(self.region_of.values())

