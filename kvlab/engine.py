@@ -22,7 +22,7 @@ from kvlab.cache import make_cache
 from kvlab.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SamplingParams
 from kvlab.model_loading import LoadedModel
 from kvlab.model_runner import ModelRunner
-from kvlab.outputs import RequestMetrics, RequestOutput
+from kvlab.outputs import RequestMetrics, RequestOutput, Sample
 from kvlab.sampler import sample
 from kvlab.scheduler import Batch, Scheduler
 from kvlab.sequence import Sequence
@@ -55,6 +55,7 @@ class Engine:
         self.eos_ids = _eos_ids(model)
         self.finished: list[RequestOutput] = []  # every finished request, in finish order
         self._next_id = 0
+        self._groups: dict[int, list[Sequence]] = {}  # n > 1: parent id -> all samples
         self._steps = 0
         self._start = time.perf_counter()
 
@@ -104,6 +105,7 @@ class Engine:
         *,
         chat: bool | None = None,
         arrival_s: float | None = None,
+        salt: str | None = None,
     ) -> Sequence:
         """Validate a request and build its Sequence, without queueing it."""
         params = params or SamplingParams()
@@ -113,14 +115,19 @@ class Engine:
                 f"prompt of {len(ids)} tokens does not leave room for one new token within "
                 f"max_model_len={self.max_model_len}"
             )
+        if params.n > 1 and self.config.cache != "paged":
+            raise ValueError(f"SamplingParams.n={params.n} > 1 needs EngineConfig(cache='paged')")
+        seq = self._new_sequence(ids, params, params.seed)
+        seq.arrival_s = self.clock() if arrival_s is None else arrival_s
+        seq.salt = salt
+        self.cache.check_fits(seq)
+        return seq
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams, seed: int | None) -> Sequence:
         generator = None
         if not params.greedy:
-            generator = torch.Generator().manual_seed(
-                params.seed if params.seed is not None else torch.seed()
-            )
+            generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         seq = Sequence(self._next_id, ids, params, generator=generator)
-        seq.arrival_s = self.clock() if arrival_s is None else arrival_s
-        self.cache.check_fits(seq)
         self._next_id += 1
         return seq
 
@@ -131,9 +138,14 @@ class Engine:
         *,
         chat: bool | None = None,
         arrival_s: float | None = None,
+        salt: str | None = None,
     ) -> int:
-        """Queue a request (raises ValueError for bad input, queuing nothing); returns its id."""
-        seq = self.make_sequence(prompt, params, chat=chat, arrival_s=arrival_s)
+        """Queue a request (raises ValueError for bad input, queuing nothing); returns its id.
+
+        `salt` names a tenant / cache namespace: requests with different salts never share
+        prefix-cached KV blocks.
+        """
+        seq = self.make_sequence(prompt, params, chat=chat, arrival_s=arrival_s, salt=salt)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -148,12 +160,15 @@ class Engine:
             self._wait_for_arrival()
             return []
         started = time.perf_counter()
-        tokens = self._forward(batch)
-        finished = self._advance(batch, tokens)
-        self._record(batch, time.perf_counter() - started)
+        # Sequences starting their prefill now (for prefix-hit accounting).
+        admitted = [s for s in batch.seqs if s.num_computed == s.prefix_hit_tokens]
+        logits = self._forward(batch)
+        finished = self._advance(batch, logits)
+        self._record(batch, admitted, time.perf_counter() - started)
         return finished
 
-    def _forward(self, batch: Batch) -> list[int]:
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """One forward for the whole batch -> logits (B, vocab) at each last new token."""
         starts, ids, tables = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.cache.ensure_capacity(seq, seq.num_computed + n)
@@ -165,23 +180,57 @@ class Engine:
             starts, batch.num_new_tokens, tables, self.cache.block_size, device
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        logits = self.runner.forward(input_ids, meta, self.cache.pool)  # (B, vocab)
-        return sample(logits, batch.seqs)
+        return self.runner.forward(input_ids, meta, self.cache.pool)
 
-    def _advance(self, batch: Batch, tokens: list[int]) -> list[RequestOutput]:
+    def _advance(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
         now, finished = self.clock(), []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+        tokens = sample(logits, batch.seqs)
+        for row, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
             seq.num_computed += n
-            seq.output_ids.append(token)
+            if seq.num_pending > 0:
+                continue  # a prompt chunk: no token until the whole prompt is in the cache
+            members = [seq]
             if seq.first_token_s is None:
-                seq.first_token_s = now
-            reason = self._finish_reason(seq, token)
-            if reason:
-                seq.finish_s, seq.finish_reason = now, reason
-                self.scheduler.finish(seq)
-                finished.append(self._output(seq))
+                self.cache.publish(seq)  # its prompt blocks are now reusable by others
+                members += self._fork(seq, logits[row])
+            seq.output_ids.append(token)
+            for member in members:
+                member.first_token_s = member.first_token_s or now
+                reason = self._finish_reason(member, member.output_ids[-1])
+                if reason:
+                    member.finish_s, member.finish_reason = now, reason
+                    self.scheduler.finish(member)
+                    finished.extend(self._complete(member))
         self.finished.extend(finished)
         return finished
+
+    def _fork(self, parent: Sequence, logits: torch.Tensor) -> list[Sequence]:
+        """n > 1: children that share the parent's prompt blocks, each with its first token."""
+        children = []
+        for i in range(1, parent.params.n):
+            seed = None if parent.params.seed is None else parent.params.seed + i
+            child = self._new_sequence(parent.prompt_ids, parent.params, seed)
+            child.arrival_s, child.salt, child.parent_id = (
+                parent.arrival_s,
+                parent.salt,
+                parent.request_id,
+            )
+            child.num_computed = parent.num_computed
+            child.output_ids.append(sample(logits[None], [child])[0])
+            self.cache.fork(parent, child)
+            self.scheduler.adopt(child)
+            children.append(child)
+        self._groups[parent.request_id] = [parent, *children]
+        return children
+
+    def _complete(self, member: Sequence) -> list[RequestOutput]:
+        """The request's output once every sample of it has finished."""
+        group_id = member.request_id if member.parent_id is None else member.parent_id
+        group = self._groups.get(group_id, [member])
+        if not all(m.is_finished for m in group):
+            return []
+        self._groups.pop(group_id, None)
+        return [self._output(group)]
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.eos_ids and not seq.params.ignore_eos:
@@ -197,7 +246,7 @@ class Engine:
         if upcoming is not None and not self.scheduler.running:
             time.sleep(max(0.0, min(upcoming - self.clock(), 1.0)))
 
-    def _record(self, batch: Batch, step_s: float) -> None:
+    def _record(self, batch: Batch, admitted: list[Sequence], step_s: float) -> None:
         memory = self.cache.memory()
         self._steps += 1
         self.telemetry.record(
@@ -211,6 +260,8 @@ class Engine:
                 waiting=len(self.scheduler.waiting),
                 blocks_used=self.cache.num_blocks - self.cache.num_free_blocks(),
                 blocks_free=self.cache.num_free_blocks(),
+                prefix_query_tokens=sum(len(s.prompt_ids) for s in admitted),
+                prefix_hit_tokens=sum(s.prefix_hit_tokens for s in admitted),
                 reserved_bytes=memory.reserved_bytes,
                 live_bytes=memory.live_bytes,
                 waste_bytes=memory.waste_bytes,
@@ -220,13 +271,32 @@ class Engine:
             self.cache.block_owners() if self.config.record_block_map else None,
         )
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, group: list[Sequence]) -> RequestOutput:
+        samples = [
+            Sample(
+                list(m.output_ids),
+                self.tokenizer.decode(m.output_ids, skip_special_tokens=True),
+                m.finish_reason,
+            )
+            for m in group
+        ]
+        first = group[0]
         metrics = RequestMetrics(
-            seq.arrival_s, seq.first_token_s, seq.finish_s, len(seq.output_ids)
+            first.arrival_s,
+            min(m.first_token_s for m in group),
+            max(m.finish_s for m in group),
+            len(first.output_ids),
+            len(first.prompt_ids),
+            first.prefix_hit_tokens,
         )
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         return RequestOutput(
-            seq.request_id, seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason, metrics
+            first.request_id,
+            first.prompt_ids,
+            samples[0].token_ids,
+            samples[0].text,
+            samples[0].finish_reason,
+            metrics,
+            samples,
         )
 
     # --- batch API ---------------------------------------------------------------------
@@ -266,6 +336,7 @@ class Engine:
                 r.prompt,
                 SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=ignore_eos),
                 arrival_s=offset + r.arrival_s,
+                salt=r.salt,
             )
             for r in requests
         ]

@@ -13,6 +13,8 @@ class RequestMetrics:
     first_token_s: float
     finish_s: float
     num_output_tokens: int
+    num_prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def ttft_s(self) -> float:
@@ -32,6 +34,15 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """One continuation (there are SamplingParams.n of them per request)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
@@ -39,3 +50,4 @@ class RequestOutput:
     text: str
     finish_reason: str  # "eos" | "length" | "max_model_len"
     metrics: RequestMetrics
+    samples: list[Sample]  # all n continuations; samples[0] is the one above

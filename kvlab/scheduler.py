@@ -72,6 +72,11 @@ class Scheduler:
         self.running.extend(admitted)
         return Batch(admitted, [s.num_pending for s in admitted], is_prefill=True)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence the cache admitted outside the queue (an n > 1 fork) joins `running`."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Retire a finished sequence and free its KV memory at once."""
         self.running.remove(seq)

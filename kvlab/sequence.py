@@ -24,13 +24,17 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_s: float = 0.0
+    salt: str | None = None  # tenant / cache namespace: different salts never share KV
+    priority: int = 0
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    parent_id: int | None = None  # n > 1: the request this sample was forked from
 
     @property
     def token_ids(self) -> list[int]:

@@ -18,6 +18,8 @@ class StepRecord:
     waiting: int  # requests queued after the step
     blocks_used: int  # physical blocks held by sequences (naive: regions)
     blocks_free: int
+    prefix_query_tokens: int  # prompt tokens admitted this step
+    prefix_hit_tokens: int  # of those, served from the prefix cache
     reserved_bytes: int
     live_bytes: int
     waste_bytes: int

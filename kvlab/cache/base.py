@@ -87,6 +87,10 @@ class KVCache(ABC):
         """Raise AssertionError naming the broken invariant, if any."""
 
     @abstractmethod
+    def publish(self, seq: Sequence) -> None:
+        """`seq`'s prompt is in the cache: let later requests reuse it (if this cache can)."""
+
+    @abstractmethod
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError if `seq` could never be served within this cache's budget."""
 

@@ -29,6 +29,9 @@ class NaiveCache(KVCache):
         self.free_regions = list(range(num_regions - 1, -1, -1))  # a stack: pop() gives 0 first
         self.region_of: dict[int, int] = {}  # request id -> region
 
+    def publish(self, seq: Sequence) -> None:
+        pass  # contiguous regions are never shared
+
     def check_fits(self, seq: Sequence) -> None:
         pass  # every region holds max_model_len tokens, and the engine caps sequences there
 

@@ -7,13 +7,22 @@ Admission (until the scheduler can preempt): a request is admitted only if the b
 could ever need, ceil(min(prompt + max_new_tokens, max_model_len) / block_size), fit
 beside what running sequences could still claim. Blocks are taken lazily, so memory is
 only *held* as tokens arrive, but a running sequence can never run out of blocks.
+
+With a prefix index (`prefix_caching="hash" | "radix"`), admission first looks the
+prompt up: matched blocks join the new table by reference (their tokens are not computed
+again), and a finished sequence's blocks stay cached for later requests until evicted.
+A block referenced by several tables is never written: the first write to it copies it
+(copy-on-write).
 """
 
 from __future__ import annotations
 
+import torch
+
 from kvlab.cache.base import KVCache
 from kvlab.cache.block_allocator import BlockAllocator
 from kvlab.cache.pool import KVPool
+from kvlab.cache.prefix_index import PrefixIndex, PrefixMatch
 from kvlab.sequence import Sequence
 
 
@@ -25,13 +34,21 @@ class PagedCache(KVCache):
     name = "paged"
 
     def __init__(
-        self, pool: KVPool, block_size: int, max_model_len: int, poison_freed: bool = False
+        self,
+        pool: KVPool,
+        block_size: int,
+        max_model_len: int,
+        poison_freed: bool = False,
+        prefix_index: PrefixIndex | None = None,
     ):
         super().__init__(pool, block_size, max_model_len, poison_freed)
-        self.allocator = BlockAllocator(self.num_blocks)
+        self.index = prefix_index
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._forget)
         self.tables: dict[int, list[int]] = {}  # request id -> block table
         self.promised: dict[int, int] = {}  # request id -> blocks it may still claim
+        self.copied_blocks = 0  # copy-on-write copies made
 
+    # --- admission -----------------------------------------------------------------
     def worst_case_blocks(self, seq: Sequence) -> int:
         tokens = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_model_len)
         return blocks_for(tokens, self.block_size)
@@ -45,51 +62,157 @@ class PagedCache(KVCache):
                 f"KV budget holds only {self.num_blocks} blocks"
             )
 
+    def _lookup(self, seq: Sequence) -> PrefixMatch:
+        """Cached prefix of the prompt, leaving at least its last token to compute."""
+        if self.index is None or seq.num_computed:
+            return PrefixMatch([])
+        match = self.index.match(seq.prompt_ids, seq.salt)
+        limit = len(seq.prompt_ids) - 1  # the last prompt token must run to give logits
+        full = match.blocks[: limit // self.block_size]
+        if len(full) < len(match.blocks) or match.partial_block is None:
+            return PrefixMatch(full)
+        partial = min(match.partial_tokens, limit - len(full) * self.block_size)
+        return PrefixMatch(full, match.partial_block, partial) if partial else PrefixMatch(full)
+
     def can_admit(self, seq: Sequence) -> bool:
-        outstanding = sum(self.promised.values())
-        return self.worst_case_blocks(seq) <= self.allocator.num_free - outstanding
+        match = self._lookup(seq)
+        revived = sum(1 for b in match.blocks if b in self.allocator.cached)
+        need = self.worst_case_blocks(seq) - len(match.blocks)
+        available = self.allocator.num_available - revived - sum(self.promised.values())
+        return need <= available
 
     def _allocate(self, seq: Sequence) -> None:
-        self.tables[seq.request_id] = []
-        self.promised[seq.request_id] = self.worst_case_blocks(seq)
+        match = self._lookup(seq)
+        table = []
+        for block in match.blocks:
+            self.allocator.incref(block)
+            table.append(block)
+        self.tables[seq.request_id] = table
+        self.promised[seq.request_id] = self.worst_case_blocks(seq) - len(table)
+        hit = len(table) * self.block_size
+        if match.partial_block is not None:
+            # Token-granular hit (radix): copy the matching slots instead of recomputing.
+            source = match.partial_block
+            self.allocator.incref(source)  # keep it from being evicted by our allocation
+            self._append_block(seq)
+            self._copy_slots(source, table[-1], match.partial_tokens)
+            self.allocator.decref(source, keep_cached=source in self.index)
+            hit += match.partial_tokens
+        seq.num_computed = seq.prefix_hit_tokens = hit
+
+    # --- growth --------------------------------------------------------------------
+    def _append_block(self, seq: Sequence) -> None:
+        self.tables[seq.request_id].append(self.allocator.allocate())
+        self.promised[seq.request_id] -= 1
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
         table = self.tables[seq.request_id]
+        first = seq.num_computed // self.block_size  # the block the next write lands in
+        if first < len(table) and self.allocator.ref_counts[table[first]] > 1:
+            self._copy_on_write(seq, first)
         while len(table) * self.block_size < num_tokens:
-            table.append(self.allocator.allocate())
-            self.promised[seq.request_id] -= 1
+            self._append_block(seq)
 
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        table = self.tables[seq.request_id]
+        shared = table[index]
+        fresh = self.allocator.allocate()
+        self.promised[seq.request_id] -= 1
+        self._copy_slots(shared, fresh, seq.num_computed - index * self.block_size)
+        table[index] = fresh
+        self.allocator.decref(shared, keep_cached=self._indexed(shared))
+        self.copied_blocks += 1
+
+    def _copy_slots(self, source: int, target: int, count: int) -> None:
+        offsets = torch.arange(count, device=self.pool.device)
+        self.pool.copy(source * self.block_size + offsets, target * self.block_size + offsets)
+
+    # --- sharing -------------------------------------------------------------------
+    def publish(self, seq: Sequence) -> None:
+        """Index the full blocks of what `seq` has computed, for later requests to reuse."""
+        if self.index is not None:
+            tokens = seq.token_ids[: seq.num_computed]
+            self.index.insert(tokens, self.tables[seq.request_id], seq.salt)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks (n > 1 sampling); writes copy on demand."""
+        table = list(self.tables[parent.request_id])
+        for block in table:
+            self.allocator.incref(block)
+        self.tables[child.request_id] = table
+        self.sequences[child.request_id] = child
+        # Its own growth, plus one copy of the shared partial last block.
+        self.promised[child.request_id] = self.worst_case_blocks(child) - len(table) + 1
+
+    def fork_blocks_needed(self, seq: Sequence, samples: int) -> int:
+        """Extra blocks `samples - 1` forks of `seq` may claim beyond its own promise."""
+        shared_full = len(seq.prompt_ids) // self.block_size
+        return (samples - 1) * (self.worst_case_blocks(seq) - shared_full + 1)
+
+    def _indexed(self, block: int) -> bool:
+        return self.index is not None and block in self.index
+
+    def _forget(self, block: int) -> None:
+        """An evicted cached block: drop it from the index, and free what hung below it."""
+        for orphan in self.index.remove(block):
+            if orphan in self.allocator.cached:
+                self.allocator.uncache(orphan)
+
+    # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:
         del self.promised[seq.request_id]
         table = self.tables.pop(seq.request_id)
-        return [block for block in table if self.allocator.decref(block)]
+        if self.index is not None:
+            tokens = seq.token_ids[: seq.num_computed]
+            sole_owner = bool(table) and self.allocator.ref_counts[table[-1]] == 1
+            self.index.insert(tokens, table, seq.salt, partial=sole_owner)
+        # Tail blocks first: they become the least recently used, so evicted first.
+        return [b for b in reversed(table) if self.allocator.decref(b, self._indexed(b))]
 
+    # --- accounting ----------------------------------------------------------------
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.request_id]
 
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        return self.allocator.num_available
 
     def reserved_slots(self) -> int:
         return self.allocator.num_used * self.block_size
 
+    def live_tokens(self) -> int:
+        """Tokens stored in referenced blocks, each shared block counted once."""
+        filled: dict[int, int] = {}
+        for request_id, seq in self.sequences.items():
+            for i, block in enumerate(self.tables[request_id]):
+                tokens = min(self.block_size, seq.num_computed - i * self.block_size)
+                filled[block] = max(filled.get(block, 0), tokens)
+        return sum(filled.values())
+
     def block_owners(self) -> list[int]:
+        """Owner request id per block; -1 free or cached, -2 shared by several requests."""
         owners = [-1] * self.num_blocks
         for request_id, table in self.tables.items():
             for block in table:
-                owners[block] = request_id
+                owners[block] = request_id if owners[block] == -1 else -2
         return owners
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
         counts = [0] * self.num_blocks
-        for table in self.tables.values():
+        salts: dict[int, set] = {}
+        for request_id, table in self.tables.items():
             for block in table:
                 counts[block] += 1
+                salts.setdefault(block, set()).add(self.sequences[request_id].salt)
         assert counts == self.allocator.ref_counts, "reference counts != table references"
+        assert all(len(s) == 1 for s in salts.values()), "a block is shared across salts"
         assert set(self.tables) == set(self.sequences), "block tables != admitted sequences"
+        for block in self.allocator.cached:
+            assert self._indexed(block), f"cached block {block} is not in the prefix index"
         for request_id, seq in self.sequences.items():
             held = len(self.tables[request_id]) * self.block_size
             assert seq.num_computed <= held, f"request {request_id} has tokens outside its blocks"
             assert self.promised[request_id] >= 0, f"request {request_id} overdrew its promise"
-        assert sum(self.promised.values()) <= self.allocator.num_free, "promised > free blocks"
+        assert sum(self.promised.values()) <= self.allocator.num_available, (
+            "promised > available blocks"
+        )
