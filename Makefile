@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvlab-installed
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup lab test lint bench clean
+.PHONY: setup lab test lint browser bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import kvlab; m = kvlab.load_model(); print(f'model ready: {m.name}')"
 	touch $(STAMP)
 
+# The real-browser test drives Debian's chromium (never `playwright install`, which
+# downloads a browser). Installed when running as root with apt; the test skips otherwise.
+browser:
+	@if [ -x /usr/lib/chromium/chromium ]; then echo "chromium present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		|| echo "could not install chromium: the browser test will skip"; \
+	else echo "chromium not installed (needs root + apt): the browser test will skip"; fi
+
 lab: setup
 	$(BIN)/jupyter lab notebooks/
 
@@ -29,7 +38,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint browser
 	$(BIN)/pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
 bench: setup

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CACHE_KINDS = ("naive", "paged")
+PREFIX_CACHING = (None, "hash", "radix")
 BATCHING_MODES = ("continuous", "static")
+SCHEDULE_ORDERS = ("prefill-first", "decode-first")
+ADMISSION_POLICIES = ("reserve", "watermark")
+PREEMPTION_MODES = ("recompute", "swap")
+# KV storage codecs (kvlab/cache/codecs.py); None keeps the model's dtype.
+KV_DTYPES = ("fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2")
 
 # Default KV budget when neither kv_budget_bytes nor kv_budget_tokens is given:
 # four sequences of 8k tokens, ~1.4 GiB for SmolLM2-135M in fp32.
@@ -26,32 +32,57 @@ class EngineConfig:
         cache: KV-cache variant: "naive" (one contiguous max_model_len buffer per sequence)
             or "paged" (fixed-size blocks found through a block table).
         block_size: token slots per block of the paged cache.
+        prefix_caching: None, "hash" (chained hashes of full blocks, as vLLM) or "radix"
+            (a radix tree over token ids, token-granular matching, as SGLang); paged only.
         max_model_len: longest sequence (prompt + output) in tokens; defaults to the
             model's max_position_embeddings, capped at 8192.
         kv_budget_bytes: KV memory budget in bytes (at most one of the two budget fields).
         kv_budget_tokens: KV memory budget in token slots of the model's KV at the cache's
             dtype; defaults to 32768 when neither budget is given.
         max_num_seqs: most sequences running at once.
-        max_prefill_tokens: most prompt tokens prefilled in one step (a longer single
-            prompt still runs alone).
+        max_num_batched_tokens: token budget of one step (prompt chunks + decodes). Without
+            chunked prefill a longer single prompt still runs alone.
+        chunked_prefill: split long prompts across steps, so running decodes keep
+            flowing; a step may then mix decodes and prompt chunks.
+        schedule_order: "prefill-first" (waiting prompts get the step's token budget
+            first) or "decode-first" (running decodes first, prompts get what is left).
+        admission: "reserve" (admit only if the request's worst case fits beside what
+            running ones may still claim: never preempts) or "watermark" (admit while the
+            free blocks left after the prompt stay above `watermark` of the pool: more
+            concurrency, and preemption when blocks run out mid-decode). Paged only.
+        watermark: fraction of the pool kept free at admission (watermark admission).
+        preemption: how a victim gives up its blocks when they run out: "recompute"
+            (drop them; its prompt + generated tokens are prefilled again on resume) or
+            "swap" (copy them to host memory and back on resume). The victim is the
+            running request of lowest priority, then the most recently admitted.
         batching: "continuous" (a waiting request joins as soon as memory frees) or
             "static" (a new batch starts only when the whole previous batch is done).
         poison_freed: debug mode: fill freed KV slots with NaN, so a read of another
             sequence's stale state would show up as NaN output.
         record_block_map: keep, for every step, which request owns each physical block
             (for block-map plots; costs one list of num_blocks ints per step).
+        kv_dtype: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
+            "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
+            count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
     """
 
     cache: str = "naive"
     block_size: int = 16
+    prefix_caching: str | None = None
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
     kv_budget_tokens: int | None = None
     max_num_seqs: int = 64
-    max_prefill_tokens: int = 4096
+    max_num_batched_tokens: int = 4096
+    chunked_prefill: bool = False
+    schedule_order: str = "prefill-first"
+    admission: str = "reserve"
+    watermark: float = 0.01
+    preemption: str = "recompute"
     batching: str = "continuous"
     poison_freed: bool = False
     record_block_map: bool = False
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -59,8 +90,22 @@ class EngineConfig:
             f"EngineConfig.cache={self.cache!r} is unknown; choose one of {CACHE_KINDS}",
         )
         _require(
+            self.prefix_caching in PREFIX_CACHING,
+            f"EngineConfig.prefix_caching={self.prefix_caching!r} is unknown; "
+            f"choose one of {PREFIX_CACHING}",
+        )
+        _require(
+            self.prefix_caching is None or self.cache == "paged",
+            f"EngineConfig.prefix_caching={self.prefix_caching!r} needs cache='paged'",
+        )
+        _require(
             self.batching in BATCHING_MODES,
             f"EngineConfig.batching={self.batching!r} is unknown; choose one of {BATCHING_MODES}",
+        )
+        _require(
+            self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
+            f"EngineConfig.kv_dtype={self.kv_dtype!r} is unknown; choose None or one of "
+            f"{KV_DTYPES}",
         )
         _require(
             self.kv_budget_bytes is None or self.kv_budget_tokens is None,
@@ -69,7 +114,24 @@ class EngineConfig:
         for name in ("max_model_len", "kv_budget_bytes", "kv_budget_tokens"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"EngineConfig.{name}={value} must be > 0")
-        for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
+        for name, choices in (
+            ("schedule_order", SCHEDULE_ORDERS),
+            ("admission", ADMISSION_POLICIES),
+            ("preemption", PREEMPTION_MODES),
+        ):
+            value = getattr(self, name)
+            _require(
+                value in choices,
+                f"EngineConfig.{name}={value!r} is unknown; choose one of {choices}",
+            )
+        _require(
+            self.admission == "reserve" or self.cache == "paged",
+            f"EngineConfig.admission={self.admission!r} needs cache='paged'",
+        )
+        _require(
+            0 <= self.watermark < 1, f"EngineConfig.watermark={self.watermark} must be in [0, 1)"
+        )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
 
@@ -78,12 +140,15 @@ class EngineConfig:
 class SamplingParams:
     """How one request picks its tokens.
 
-    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. `seed` makes
-    sampling reproducible per request. `ignore_eos` keeps generating to max_new_tokens
+    `n` samples that many continuations of one prompt; they share the prompt's KV blocks
+    (copy-on-write, paged cache only). temperature 0 means greedy. top_k 0 and top_p 1.0
+    disable those filters. `seed` makes sampling reproducible per request (sample i of
+    n > 1 uses seed + i). `ignore_eos` keeps generating to max_new_tokens
     (for benchmarks).
     """
 
     max_new_tokens: int = 64
+    n: int = 1
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -95,6 +160,7 @@ class SamplingParams:
             self.max_new_tokens > 0,
             f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1",
         )
+        _require(self.n >= 1, f"SamplingParams.n={self.n} must be >= 1")
         _require(
             self.temperature >= 0, f"SamplingParams.temperature={self.temperature} must be >= 0"
         )

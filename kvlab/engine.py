@@ -106,6 +106,7 @@ class Engine:
         chat: bool | None = None,
         arrival_s: float | None = None,
         salt: str | None = None,
+        priority: int = 0,
     ) -> Sequence:
         """Validate a request and build its Sequence, without queueing it."""
         params = params or SamplingParams()
@@ -119,7 +120,7 @@ class Engine:
             raise ValueError(f"SamplingParams.n={params.n} > 1 needs EngineConfig(cache='paged')")
         seq = self._new_sequence(ids, params, params.seed)
         seq.arrival_s = self.clock() if arrival_s is None else arrival_s
-        seq.salt = salt
+        seq.salt, seq.priority = salt, priority
         self.cache.check_fits(seq)
         return seq
 
@@ -139,13 +140,16 @@ class Engine:
         chat: bool | None = None,
         arrival_s: float | None = None,
         salt: str | None = None,
+        priority: int = 0,
     ) -> int:
         """Queue a request (raises ValueError for bad input, queuing nothing); returns its id.
 
         `salt` names a tenant / cache namespace: requests with different salts never share
-        prefix-cached KV blocks.
+        prefix-cached KV blocks. A higher `priority` is admitted first and preempted last.
         """
-        seq = self.make_sequence(prompt, params, chat=chat, arrival_s=arrival_s, salt=salt)
+        seq = self.make_sequence(
+            prompt, params, chat=chat, arrival_s=arrival_s, salt=salt, priority=priority
+        )
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -170,8 +174,7 @@ class Engine:
     def _forward(self, batch: Batch) -> torch.Tensor:
         """One forward for the whole batch -> logits (B, vocab) at each last new token."""
         starts, ids, tables = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            self.cache.ensure_capacity(seq, seq.num_computed + n)
+        for seq, n in batch:  # the scheduler has already secured their blocks
             starts.append(seq.num_computed)
             ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
             tables.append(self.cache.block_table(seq))
@@ -184,11 +187,13 @@ class Engine:
 
     def _advance(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
         now, finished = self.clock(), []
-        tokens = sample(logits, batch.seqs)
-        for row, (seq, n, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
+        for seq, n in batch:
             seq.num_computed += n
-            if seq.num_pending > 0:
-                continue  # a prompt chunk: no token until the whole prompt is in the cache
+        # A prompt chunk yields no token until the whole prompt is in the cache.
+        ready = [row for row, seq in enumerate(batch.seqs) if seq.num_pending == 0]
+        tokens = sample(logits[ready], [batch.seqs[row] for row in ready])
+        for row, token in zip(ready, tokens):
+            seq = batch.seqs[row]
             members = [seq]
             if seq.first_token_s is None:
                 self.cache.publish(seq)  # its prompt blocks are now reusable by others
@@ -198,11 +203,29 @@ class Engine:
                 member.first_token_s = member.first_token_s or now
                 reason = self._finish_reason(member, member.output_ids[-1])
                 if reason:
-                    member.finish_s, member.finish_reason = now, reason
-                    self.scheduler.finish(member)
-                    finished.extend(self._complete(member))
+                    finished.extend(self._retire(member, reason, now))
         self.finished.extend(finished)
         return finished
+
+    def _retire(self, seq: Sequence, reason: str, now: float) -> list[RequestOutput]:
+        seq.finish_s, seq.finish_reason = now, reason
+        seq.first_token_s = seq.first_token_s or now
+        self.scheduler.finish(seq, "cancelled" if reason == "cancelled" else "finished")
+        return self._complete(seq)
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request (all its samples) now and free its blocks at once.
+
+        Prefix-cached blocks go back to the LRU pool. Returns False if the request is not
+        queued or running. Its output, with finish_reason "cancelled", lands in `finished`.
+        """
+        queues = self.scheduler.waiting + self.scheduler.running + self.scheduler.swapped
+        members = [s for s in queues if request_id in (s.request_id, s.parent_id)]
+        finished = []
+        for seq in members:
+            finished.extend(self._retire(seq, "cancelled", self.clock()))
+        self.finished.extend(finished)
+        return bool(members)
 
     def _fork(self, parent: Sequence, logits: torch.Tensor) -> list[Sequence]:
         """n > 1: children that share the parent's prompt blocks, each with its first token."""
@@ -210,11 +233,12 @@ class Engine:
         for i in range(1, parent.params.n):
             seed = None if parent.params.seed is None else parent.params.seed + i
             child = self._new_sequence(parent.prompt_ids, parent.params, seed)
-            child.arrival_s, child.salt, child.parent_id = (
+            child.arrival_s, child.salt, child.priority = (
                 parent.arrival_s,
                 parent.salt,
-                parent.request_id,
+                parent.priority,
             )
+            child.parent_id = parent.request_id
             child.num_computed = parent.num_computed
             child.output_ids.append(sample(logits[None], [child])[0])
             self.cache.fork(parent, child)
@@ -243,7 +267,7 @@ class Engine:
 
     def _wait_for_arrival(self) -> None:
         upcoming = self.scheduler.next_arrival()
-        if upcoming is not None and not self.scheduler.running:
+        if upcoming is not None and not (self.scheduler.running or self.scheduler.swapped):
             time.sleep(max(0.0, min(upcoming - self.clock(), 1.0)))
 
     def _record(self, batch: Batch, admitted: list[Sequence], step_s: float) -> None:
@@ -253,11 +277,15 @@ class Engine:
             StepRecord(
                 step=self._steps,
                 time_s=self.clock(),
-                phase="prefill" if batch.is_prefill else "decode",
+                phase=batch.phase,
                 batch_seqs=len(batch.seqs),
                 tokens=batch.num_tokens,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
+                swapped=len(self.scheduler.swapped),
+                preemptions=self.scheduler.preemptions,
+                swapped_bytes=self.scheduler.swapped_bytes,
+                recomputed_tokens=self.scheduler.recomputed_tokens,
                 blocks_used=self.cache.num_blocks - self.cache.num_free_blocks(),
                 blocks_free=self.cache.num_free_blocks(),
                 prefix_query_tokens=sum(len(s.prompt_ids) for s in admitted),
@@ -288,6 +316,8 @@ class Engine:
             len(first.output_ids),
             len(first.prompt_ids),
             first.prefix_hit_tokens,
+            sum(m.preemptions for m in group),
+            max(m.stall_s for m in group),
         )
         return RequestOutput(
             first.request_id,
@@ -337,6 +367,7 @@ class Engine:
                 SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=ignore_eos),
                 arrival_s=offset + r.arrival_s,
                 salt=r.salt,
+                priority=r.priority,
             )
             for r in requests
         ]
@@ -375,6 +406,9 @@ class Engine:
                 "finish_s": out.metrics.finish_s,
                 "ttft_s": out.metrics.ttft_s,
                 "tpot_s": out.metrics.tpot_s,
+                "preemptions": out.metrics.preemptions,
+                "stall_s": out.metrics.stall_s,
+                "prefix_hit_tokens": out.metrics.prefix_hit_tokens,
                 "finish_reason": out.finish_reason,
             }
             for out in self.finished

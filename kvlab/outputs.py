@@ -15,6 +15,8 @@ class RequestMetrics:
     num_output_tokens: int
     num_prompt_tokens: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    preemptions: int = 0  # times its KV was taken away (swapped or dropped)
+    stall_s: float = 0.0  # time spent preempted
 
     @property
     def ttft_s(self) -> float:
@@ -48,6 +50,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens only
     text: str
-    finish_reason: str  # "eos" | "length" | "max_model_len"
+    finish_reason: str  # "eos" | "length" | "max_model_len" | "cancelled"
     metrics: RequestMetrics
     samples: list[Sample]  # all n continuations; samples[0] is the one above

@@ -35,6 +35,10 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     parent_id: int | None = None  # n > 1: the request this sample was forked from
+    admit_order: int = 0  # admission counter: the most recently admitted is preempted first
+    preemptions: int = 0
+    preempted_at: float | None = None  # engine clock when last preempted, until resumed
+    stall_s: float = 0.0  # total time spent preempted
 
     @property
     def token_ids(self) -> list[int]:

@@ -11,11 +11,15 @@ import pandas as pd
 class StepRecord:
     step: int
     time_s: float  # engine clock at the end of the step
-    phase: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode" | "mixed" (chunked prefill beside decodes)
     batch_seqs: int  # sequences in this step's forward
     tokens: int  # tokens computed this step
     running: int  # sequences holding KV memory after the step
     waiting: int  # requests queued after the step
+    swapped: int  # requests whose KV sits in host memory
+    preemptions: int  # cumulative count
+    swapped_bytes: int  # cumulative bytes copied to host memory
+    recomputed_tokens: int  # cumulative tokens dropped by recompute preemption
     blocks_used: int  # physical blocks held by sequences (naive: regions)
     blocks_free: int
     prefix_query_tokens: int  # prompt tokens admitted this step

@@ -39,3 +39,25 @@ def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
         pad_token_id=model.tokenizer.eos_token_id,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, model) -> kvlab.LoadedModel:
+    """A 2-layer random Llama with the embedded tokenizer: fast enough for property tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        vocab_size=model.tokenizer.vocab_size,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    model.tokenizer.save_pretrained(path)
+    return kvlab.load_model(path, device="cpu", progress=False)

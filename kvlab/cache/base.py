@@ -94,6 +94,22 @@ class KVCache(ABC):
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError if `seq` could never be served within this cache's budget."""
 
+    # --- preemption (caches that never over-admit need none of it) -----------------
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` must take to hold `num_tokens` tokens (0: it has room)."""
+        return 0
+
+    def swap_out(self, seq: Sequence) -> object:
+        """Copy `seq`'s KV to host memory and free its blocks; return the copy."""
+        raise NotImplementedError(f"the {self.name} cache does not swap")
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        raise NotImplementedError(f"the {self.name} cache does not swap")
+
+    def swap_in(self, seq: Sequence, saved: object) -> None:
+        """Re-admit a swapped-out `seq` into fresh blocks holding its saved KV."""
+        raise NotImplementedError(f"the {self.name} cache does not swap")
+
     # --- shared behaviour ----------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
         if seq.request_id in self.sequences:

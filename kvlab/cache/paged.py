@@ -40,9 +40,13 @@ class PagedCache(KVCache):
         max_model_len: int,
         poison_freed: bool = False,
         prefix_index: PrefixIndex | None = None,
+        watermark: float | None = None,
     ):
         super().__init__(pool, block_size, max_model_len, poison_freed)
         self.index = prefix_index
+        # None: reserve admission (worst case promised, never preempts). Otherwise the
+        # fraction of blocks that must stay free after admitting a prompt.
+        self.watermark_blocks = None if watermark is None else int(watermark * self.num_blocks)
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self._forget)
         self.tables: dict[int, list[int]] = {}  # request id -> block table
         self.promised: dict[int, int] = {}  # request id -> blocks it may still claim
@@ -77,9 +81,11 @@ class PagedCache(KVCache):
     def can_admit(self, seq: Sequence) -> bool:
         match = self._lookup(seq)
         revived = sum(1 for b in match.blocks if b in self.allocator.cached)
-        need = self.worst_case_blocks(seq) - len(match.blocks)
         available = self.allocator.num_available - revived - sum(self.promised.values())
-        return need <= available
+        if self.watermark_blocks is None:
+            return self.worst_case_blocks(seq) - len(match.blocks) <= available
+        prompt = blocks_for(seq.num_tokens, self.block_size) - len(match.blocks)
+        return prompt <= available - self.watermark_blocks
 
     def _allocate(self, seq: Sequence) -> None:
         match = self._lookup(seq)
@@ -88,7 +94,7 @@ class PagedCache(KVCache):
             self.allocator.incref(block)
             table.append(block)
         self.tables[seq.request_id] = table
-        self.promised[seq.request_id] = self.worst_case_blocks(seq) - len(table)
+        self.promised[seq.request_id] = self._promise(seq, table)
         hit = len(table) * self.block_size
         if match.partial_block is not None:
             # Token-granular hit (radix): copy the matching slots instead of recomputing.
@@ -100,10 +106,26 @@ class PagedCache(KVCache):
             hit += match.partial_tokens
         seq.num_computed = seq.prefix_hit_tokens = hit
 
+    def _promise(self, seq: Sequence, table: list[int]) -> int:
+        """Blocks set aside for `seq` to grow into (reserve admission only)."""
+        if self.watermark_blocks is not None:
+            return 0
+        return max(0, self.worst_case_blocks(seq) - len(table))
+
+    def _spend_promise(self, request_id: int) -> None:
+        self.promised[request_id] = max(0, self.promised[request_id] - 1)
+
     # --- growth --------------------------------------------------------------------
     def _append_block(self, seq: Sequence) -> None:
         self.tables[seq.request_id].append(self.allocator.allocate())
-        self.promised[seq.request_id] -= 1
+        self._spend_promise(seq.request_id)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        table = self.tables[seq.request_id]
+        first = seq.num_computed // self.block_size
+        copy = first < len(table) and self.allocator.ref_counts[table[first]] > 1
+        grow = max(0, blocks_for(num_tokens, self.block_size) - len(table))
+        return grow + copy - self.promised[seq.request_id]
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
         table = self.tables[seq.request_id]
@@ -117,7 +139,7 @@ class PagedCache(KVCache):
         table = self.tables[seq.request_id]
         shared = table[index]
         fresh = self.allocator.allocate()
-        self.promised[seq.request_id] -= 1
+        self._spend_promise(seq.request_id)
         self._copy_slots(shared, fresh, seq.num_computed - index * self.block_size)
         table[index] = fresh
         self.allocator.decref(shared, keep_cached=self._indexed(shared))
@@ -142,7 +164,9 @@ class PagedCache(KVCache):
         self.tables[child.request_id] = table
         self.sequences[child.request_id] = child
         # Its own growth, plus one copy of the shared partial last block.
-        self.promised[child.request_id] = self.worst_case_blocks(child) - len(table) + 1
+        self.promised[child.request_id] = self._promise(child, table) + (
+            self.watermark_blocks is None
+        )
 
     def fork_blocks_needed(self, seq: Sequence, samples: int) -> int:
         """Extra blocks `samples - 1` forks of `seq` may claim beyond its own promise."""
@@ -157,6 +181,32 @@ class PagedCache(KVCache):
         for orphan in self.index.remove(block):
             if orphan in self.allocator.cached:
                 self.allocator.uncache(orphan)
+
+    # --- swapping --------------------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        saved = self.pool.read(self._slots(seq, seq.num_computed))
+        self.free(seq)
+        return saved
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        need = blocks_for(seq.num_computed + 1, self.block_size)
+        margin = self.watermark_blocks or 0
+        return need <= self.allocator.num_available - sum(self.promised.values()) - margin
+
+    def swap_in(self, seq: Sequence, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.tables[seq.request_id] = []
+        self.promised[seq.request_id] = 0
+        self.sequences[seq.request_id] = seq
+        self.ensure_capacity(seq, seq.num_computed)
+        self.promised[seq.request_id] = self._promise(seq, self.tables[seq.request_id])
+        self.pool.restore(self._slots(seq, seq.num_computed), saved)
+
+    def _slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+        """Pool slots of positions [0, num_tokens) of `seq`."""
+        table = torch.tensor(self.tables[seq.request_id], dtype=torch.long)
+        positions = torch.arange(num_tokens)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return slots.to(self.pool.device)
 
     # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:
