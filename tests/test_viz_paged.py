@@ -1,0 +1,96 @@
+"""Notebook 02's figures and widgets, driven from pytest on a tiny live workload."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvlab
+from kvlab import workloads
+from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_figure, summarize
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[workloads.Request]:
+    return workloads.chat(n=3, max_new_tokens=(4, 4))
+
+
+@pytest.fixture(scope="module")
+def engines(model, requests) -> dict[str, kvlab.Engine]:
+    """Naive and paged engines that served the same requests, block maps recorded."""
+    out = {}
+    for cache in ("naive", "paged"):
+        config = kvlab.EngineConfig(
+            cache=cache,
+            block_size=8,
+            max_model_len=128,
+            kv_budget_tokens=2 * 128,
+            record_block_map=True,
+        )
+        out[cache] = kvlab.Engine(model, config)
+        out[cache].run(requests, ignore_eos=True)
+    return out
+
+
+def test_summary_and_memory_figure(engines):
+    stats = {name: engine.stats() for name, engine in engines.items()}
+    table = summarize(stats)
+    assert list(table.index) == ["naive", "paged"]
+    assert table.loc["naive", "peak running"] == 2  # two 128-token regions
+    assert table.loc["paged", "peak running"] == 3
+    assert table.loc["naive", "blocks"] == 2 and table.loc["paged", "blocks"] == 32
+    assert table.loc["paged", "mean waste %"] < table.loc["naive", "mean waste %"]
+    fig = memory_figure(stats, x="step")
+    names = [trace.name for trace in fig.data]
+    assert names == [f"{c} {k}" for c in stats for k in ("reserved", "live", "waste %", "running")]
+    running = fig.data[names.index("paged running")]
+    assert list(running.y) == stats["paged"]["running"].tolist()
+
+
+def cells(explorer: BlockMapExplorer) -> dict[int, str]:
+    """Hover text of every drawn (owned) block, by block id."""
+    trace = explorer.figure.data[0]
+    out = {}
+    for r, (zrow, trow) in enumerate(zip(trace.z, trace.text)):
+        for c, (z, text) in enumerate(zip(zrow, trow)):
+            if z is not None:
+                out[r * explorer.per_row + c] = text
+    return out
+
+
+def test_block_map_slider_redraws(engines):
+    engine = engines["paged"]
+    explorer = BlockMapExplorer(engine, blocks_per_row=8)
+    stats, maps = engine.stats(), engine.telemetry.block_maps
+    assert explorer.rows == 4 and explorer.slider.max == len(maps) == len(stats)
+    busiest = explorer.slider.value
+    assert len(cells(explorer)) == stats["blocks_used"].max()
+    explorer.slider.value = 1  # after the first prefill
+    first = cells(explorer)
+    assert len(first) == stats["blocks_used"].iloc[0]
+    for block, text in first.items():
+        assert text == f"block {block}<br>request {maps[0][block]}"
+    assert f"step 1 (prefill): {len(first)} of 32 blocks" in explorer.figure.layout.title.text
+    explorer.slider.value = len(maps)  # the last step frees everything
+    assert cells(explorer) == {}
+    assert busiest != len(maps)
+
+
+def test_block_map_needs_recorded_maps(model):
+    engine = kvlab.Engine(model, kvlab.EngineConfig(cache="paged", kv_budget_tokens=64))
+    with pytest.raises(ValueError, match="record_block_map=True"):
+        BlockMapExplorer(engine)
+
+
+def test_block_size_dropdown_adds_points(model, requests):
+    explorer = BlockSizeExplorer(model, requests, budget_tokens=512, block_size=4)
+    bars = explorer.figure.data
+    assert list(bars[0].x) == ["4"] and len(bars[1].y) == 1
+    explorer.dropdown.value = 128
+    assert list(bars[0].x) == list(bars[1].x) == ["4", "128"]
+    waste, entries = list(bars[0].y), list(bars[1].y)
+    assert waste[0] < waste[1]  # big blocks leave big tails empty ...
+    assert entries[0] > entries[1] == 1  # ... but a whole sequence fits in one
+    results = dict(explorer.results)
+    explorer.dropdown.value = 4  # measured already: no new run, same points
+    assert explorer.results == results and list(bars[0].x) == ["4", "128"]
+    assert list(explorer.table().index) == [4, 128]
