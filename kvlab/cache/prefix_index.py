@@ -69,7 +69,7 @@ class HashPrefixIndex(PrefixIndex):
             chunk = np.asarray(tokens[start : start + self.block_size], dtype=np.int64)
             digest = hashlib.blake2b(parent, digest_size=16)
             digest.update(chunk.tobytes())
-            digest.update((salt or "").encode())
+            digest.update(b"" if salt is None else b"salt:" + salt.encode())
             parent = digest.digest()
             keys.append(parent)
         return keys

@@ -1,0 +1,106 @@
+"""Notebook 03's helpers and widget, driven from pytest on a tiny live workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab import texts
+from kvlab.config import EngineConfig, SamplingParams
+from kvlab.engine import Engine
+from kvlab.viz import prefix as viz
+
+
+@pytest.fixture(scope="module")
+def prompts(model) -> list[list[int]]:
+    """Token-id prompts: a shared 37-token preamble (not block-aligned), distinct tails."""
+    head = model.tokenizer.encode(texts.preamble())[:37]
+    return [head + model.tokenizer.encode(q) for q in texts.questions()[:4]]
+
+
+def test_format_table_and_shared_pages():
+    assert viz.format_table([0, 1, 2, 7, 9, 10]) == "0-2, 7, 9-10"
+    assert viz.format_table([5]) == "5"
+    assert viz.format_table([]) == "(empty)"
+    assert viz.shared_pages({"A": [0, 1, 2, 3], "B": [0, 1, 4], "C": [4]}) == [0, 1, 4]
+    assert viz.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def test_preamble_prompts_share_the_preamble():
+    prompts = viz.preamble_prompts(50)
+    assert len(set(prompts)) == 50
+    assert all(p.startswith(texts.preamble()) for p in prompts)
+
+
+def test_block_table_figure_draws_shared_pages():
+    tables = {"A": [0, 1, 2, 3], "B": [0, 1, 4]}
+    fig = viz.block_table_figure(tables, block_size=16)
+    pages = fig.data[-1]
+    assert list(pages.x) == [0, 1, 2, 3, 4]
+    assert [c == viz.SHARED_COLOR for c in pages.marker.color] == [1, 1, 0, 0, 0]
+    markers = [t for t in fig.data if t.mode == "markers"][:2]
+    assert [len(t.x) for t in markers] == [4, 3]
+    # A's lines into shared pages: logical 0 -> page 0 and 1 -> 1.
+    shared_lines = [t for t in fig.data if t.mode == "lines" and t.line.color == viz.SHARED_COLOR]
+    assert list(shared_lines[0].x) == [0, 0, None, 1, 1, None]
+
+
+def test_serve_sharing_hits_after_the_first(model, prompts):
+    config = EngineConfig(cache="paged", block_size=8, prefix_caching="hash", max_model_len=128)
+    engine = Engine(model, config)
+    outputs = viz.serve_sharing(engine, prompts, SamplingParams(max_new_tokens=2))
+    assert [o.metrics.prefix_hit_tokens for o in outputs] == [0, 32, 32, 32]
+
+
+def test_sharing_explorer_redraws_on_new_settings(model, prompts):
+    explorer = viz.SharingExplorer(model, prompts, requests=1, block_size=16, max_new_tokens=2)
+    assert explorer.requests.max == len(prompts)
+
+    def data():
+        return [(list(t.x), list(t.y)) for t in explorer.figure.data]
+
+    before = data()
+    explorer.requests.value = 3
+    after = data()
+    assert after != before
+    table = explorer.table()
+    assert list(table["requests"]) == [1, 1, 3, 3]
+    row = table.set_index(["requests", "mode"]).loc[3]
+    assert (
+        row.loc["with sharing", "tokens computed"]
+        == row.loc["with sharing", "prompt tokens"] - 2 * 32
+    )
+    assert (
+        row.loc["without sharing", "tokens computed"] == row.loc["without sharing", "prompt tokens"]
+    )
+    assert row.loc["with sharing", "peak blocks"] < row.loc["without sharing", "peak blocks"]
+    # The figure's "tokens computed" panel shows the measured rows.
+    with_line = explorer.figure.data[0]
+    assert list(with_line.x) == [1, 3]
+    assert list(with_line.y) == list(table[table["mode"] == "with sharing"]["tokens computed"])
+
+    explorer.block_size.value = 8
+    assert data() != after
+    assert list(explorer.table()["block size"]) == [8, 8]
+    assert "block size 8" in explorer.figure.layout.title.text
+
+    controls, figure = explorer.widget().children
+    assert figure is explorer.figure
+    assert list(controls.children) == [explorer.requests, explorer.block_size]
+
+
+def test_index_hits_hash_vs_radix(model, prompts):
+    hits = viz.index_hits(model, prompts[:3], block_sizes=(16,))
+    assert list(hits["hash/16"]) == [0, 32, 32]
+    shared = list(hits["shared with earlier"])
+    assert list(hits["radix/16"]) == shared and min(shared[1:]) >= 37
+
+
+def test_fork_vs_separate_saves_blocks(model, prompts):
+    params = SamplingParams(n=3, temperature=0.8, seed=1, max_new_tokens=4, ignore_eos=True)
+    summary, stats = viz.fork_vs_separate(model, prompts[0], params, max_model_len=128)
+    fork, separate = summary.values()
+    assert fork["samples"] == separate["samples"] == 3
+    assert fork["peak blocks"] < separate["peak blocks"]
+    assert fork["copy-on-write copies"] == 2 and separate["copy-on-write copies"] == 0
+    fig = viz.blocks_figure(stats, "test")
+    assert [len(t.x) for t in fig.data] == [len(s) for s in stats.values()]
