@@ -1,5 +1,42 @@
 """Triton kernels for kvlab, installed as `kvlab.kernels` (never as a top-level `kernels`).
 
-Each kernel will sit beside a pure-torch reference with the same signature; the torch
-reference path in `kvlab.attention` is what runs today on every device.
+Each kernel sits beside a pure-torch reference with the same signature; the dispatcher
+(`dispatch.py`) runs Triton on CUDA and the reference elsewhere, and $KVLAB_KERNELS or a
+`backend=` argument overrides it (on CPU the kernels then run under Triton's interpreter).
+The torch path in `kvlab.attention` stays the reference the whole engine is checked against.
+
+    decode_attention.py  paged decode attention: GQA, block-table walk, split-K, fused
+                         int8/fp8 dequantization
+    cache_write.py       KV write: scatter new K/V into their slots, quantizing to int8/fp8
+    kv_codes.py          the codecs' bit layouts (kvlab.cache.codecs), in Triton and torch
+    dispatch.py          Triton or torch
+
+This package imports only torch and triton, so it loads on a GPU machine without the rest
+of kvlab's dependencies.
 """
+
+from .cache_write import kv_write_ref
+from .decode_attention import auto_splits, paged_decode_attention_ref, walk
+from .dispatch import (
+    choose_backend,
+    kv_write,
+    kv_write_triton,
+    paged_decode_attention,
+    paged_decode_attention_triton,
+)
+from .kv_codes import SCALED, decode_ref, encode_ref
+
+__all__ = [
+    "SCALED",
+    "auto_splits",
+    "choose_backend",
+    "decode_ref",
+    "encode_ref",
+    "kv_write",
+    "kv_write_ref",
+    "kv_write_triton",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_decode_attention_triton",
+    "walk",
+]

@@ -7,6 +7,8 @@ import json
 import sys
 
 from kvlab.config import CACHE_KINDS, EngineConfig, SamplingParams
+from kvlab.planner import KV_DTYPES as PLAN_KV_DTYPES
+from kvlab.planner import WEIGHT_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +31,108 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(run=run_generate)
+
+    cmp = commands.add_parser(
+        "compare", help="one workload through several KV-cache configs, same model and budget"
+    )
+    _workload_args(cmp, default="doc-qa")
+    cmp.add_argument(
+        "--configs",
+        default="naive,paged,paged+prefix,paged+prefix+int8",
+        help="comma-separated config names: naive | paged, then +prefix, +radix, +int8, "
+        "+fp8_e4m3, +int4, +kivi2, +chunked, +watermark, +swap, +static, +bsN",
+    )
+    cmp.add_argument(
+        "--budget",
+        default=None,
+        help="KV budget for every config: bytes (64MiB, 200MB) or tokens in the model's "
+        "dtype (4096tok); default: four naive sequences",
+    )
+    cmp.add_argument("--block-size", type=int, default=16)
+    cmp.add_argument("--max-num-seqs", type=int, default=64)
+    cmp.add_argument("--html", default=None, metavar="PATH", help="write a plotly report")
+    cmp.set_defaults(run=run_compare)
+
+    bench = commands.add_parser("bench", help="kvlab against HF transformers on one workload")
+    _workload_args(bench, default="doc-qa")
+    bench.add_argument(
+        "--peers", default="hf-generate,hf-generate-batch", help="comma-separated peers"
+    )
+    bench.add_argument(
+        "--configs",
+        default="paged+prefix",
+        help="kvlab config(s); one is reported as 'kvlab', several as 'kvlab-<config>'",
+    )
+    bench.add_argument(
+        "--budget", default=None, help="KV budget (as for compare); default: the whole workload"
+    )
+    bench.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="hf-generate static batch size (default: 16, or the largest padded batch that "
+        "fits the budget)",
+    )
+    bench.add_argument("--rounds", type=int, default=1, help="alternating-order rounds")
+    bench.add_argument("--save", default=None, metavar="PATH", help="save the full result JSON")
+    bench.add_argument("--html", default=None, metavar="PATH", help="write a plotly report")
+    bench.set_defaults(run=run_bench)
+
+    plan = commands.add_parser("plan", help="capacity planner: how many sequences fit")
+    plan.add_argument(
+        "--model",
+        default="Llama-3-8B",
+        help="a shipped config (SmolLM2-135M, Llama-3-8B, Mistral-7B, Qwen2.5-7B, "
+        "Llama-3-70B) or a path to a HF config.json",
+    )
+    plan.add_argument("--memory", default="80GiB", help="accelerator memory, e.g. 80GiB, 24GB")
+    plan.add_argument("--weight-dtype", default="bf16", choices=list(WEIGHT_DTYPES))
+    plan.add_argument(
+        "--kv-dtype", default=None, choices=list(PLAN_KV_DTYPES), help="default: weights' dtype"
+    )
+    plan.add_argument("--context", type=int, default=4096, help="tokens per sequence")
+    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument("--users", type=int, default=None, help="concurrent sequences to check")
+    plan.add_argument("--max-model-len", type=int, default=None)
+    plan.add_argument("--utilization", type=float, default=0.9)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=run_plan)
+
+    wl = commands.add_parser("workload", help="write a built-in workload as a JSONL file")
+    wl.add_argument("name", help="a built-in workload name")
+    wl.add_argument("--n", type=int, default=None, help="number of requests")
+    wl.add_argument("--seed", type=int, default=None)
+    wl.add_argument("--out", required=True, metavar="PATH", help="the .jsonl file to write")
+    wl.set_defaults(run=run_workload)
     return parser
+
+
+def _workload_args(sub: argparse.ArgumentParser, default: str) -> None:
+    sub.add_argument(
+        "--workload",
+        default=default,
+        help="a built-in workload (doc-qa, chat, uniform-chat) or a .jsonl file",
+    )
+    sub.add_argument("--n", type=int, default=None, help="requests (built-in workloads)")
+    sub.add_argument("--seed", type=int, default=None, help="seed (built-in workloads)")
+    sub.add_argument("--max-model-len", type=int, default=None)
+    sub.add_argument(
+        "--stop-at-eos", action="store_true", help="stop at EOS (default: exact token counts)"
+    )
+    sub.add_argument("--model", default=None, help="HF hub id or local dir (default: embedded)")
+    sub.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    sub.add_argument("--json", action="store_true", help="print one JSON object")
+    sub.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _load_workload(args: argparse.Namespace):
+    from kvlab.workloads import load_workload
+
+    options = {k: v for k, v in (("n", args.n), ("seed", args.seed)) if v is not None}
+    try:
+        return load_workload(args.workload, **options)
+    except TypeError as err:
+        raise ValueError(f"workload {args.workload!r}: {err}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -65,6 +168,121 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         for prompt, out in zip(args.prompts, outputs):
             print(f">>> {prompt}\n{out.text}\n")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import kvlab
+    from kvlab.compare import compare, model_bytes_per_token, parse_budget, parse_config
+
+    requests = _load_workload(args)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for name in configs:
+        parse_config(name)  # a bad config name fails before the model loads
+    model = kvlab.load_model(args.model, device=args.device, progress=not args.quiet)
+    budget = parse_budget(args.budget, model_bytes_per_token(model)) if args.budget else None
+    result = compare(
+        model,
+        requests,
+        configs,
+        budget_bytes=budget,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        ignore_eos=not args.stop_at_eos,
+        progress=not args.quiet,
+        workload=args.workload,
+        max_num_seqs=args.max_num_seqs,
+    )
+    if args.html:
+        result.write_html(args.html)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(
+            f"{args.workload}: {len(requests)} requests, KV budget "
+            f"{result.budget_bytes / 2**20:.1f} MiB, max_model_len {result.max_model_len}"
+        )
+        print(result.table().T.to_string())
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import kvlab
+    from kvlab.bench import PEERS
+    from kvlab.bench import run_bench as bench
+    from kvlab.compare import model_bytes_per_token, parse_budget, parse_config
+
+    requests = _load_workload(args)
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {PEERS}")
+    for name in configs:
+        parse_config(name)  # a bad config name fails before the model loads
+    model = kvlab.load_model(args.model, device=args.device, progress=not args.quiet)
+    budget = parse_budget(args.budget, model_bytes_per_token(model)) if args.budget else None
+    if args.stop_at_eos:
+        raise ValueError("bench compares exact token counts: --stop-at-eos is not supported")
+    result = bench(
+        model,
+        requests,
+        configs,
+        peers,
+        budget_bytes=budget,
+        max_model_len=args.max_model_len,
+        hf_batch_size=args.hf_batch_size,
+        rounds=args.rounds,
+        progress=not args.quiet,
+        workload=args.workload,
+    )
+    if args.save:
+        result.save(args.save)
+    if args.html:
+        result.write_html(args.html)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(f"{args.workload}: {len(requests)} requests, greedy, same prompts and lengths")
+        print(result.table().to_string())
+        for name, ratio in result.ratios().items():
+            print(f"{name}: {ratio:.2f}x")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from kvlab.planner import ModelShape, gqa_vs_mha, plan
+
+    shape = ModelShape.from_config(args.model)
+    options = dict(
+        memory=args.memory,
+        weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
+        context_len=args.context,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        utilization=args.utilization,
+    )
+    result = plan(shape, users=args.users, **options)
+    mha = plan(shape.with_mha(), users=args.users, **options)
+    if args.json:
+        print(json.dumps({"plan": result.to_dict(), "mha": mha.to_dict()}, indent=2))
+    else:
+        print(result.summary())
+        print("\nGQA vs MHA (the same model with one KV head per query head):")
+        print(gqa_vs_mha(shape, **options).to_string())
+    return 0
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    from kvlab.workloads import WORKLOADS, write_jsonl
+
+    if args.name not in WORKLOADS:
+        raise ValueError(f"unknown workload {args.name!r}: give one of {list(WORKLOADS)}")
+    args.workload = args.name
+    requests = _load_workload(args)
+    write_jsonl(requests, args.out)
+    print(f"wrote {len(requests)} requests to {args.out}")
     return 0
 
 

@@ -11,7 +11,9 @@ means that stored scale.
 NaN/inf: every codec except the baseline raises ValueError on a non-finite input (a NaN in
 a scaled codec would silently spoil the scale of a whole head), and fp16/bf16 raise on
 finite values they cannot hold (|x| > 65504 in fp16). The baseline stores anything, as
-before codecs existed. Zeros round-trip exactly: a zero head/group gets scale 0.
+before codecs existed. Zeros round-trip exactly: an all-zero head or group gets scale 0,
+and the symmetric codes (int8, fp8, int4) also keep every single zero exact; kivi2's
+asymmetric codes keep only all-zero groups exact.
 
 Names (EngineConfig.kv_dtype): None (the model's dtype), "fp16", "bf16", "int8",
 "fp8_e4m3", "fp8_e5m2", "int4", and "kivi2" (kvlab/cache/kivi.py).
@@ -38,6 +40,7 @@ class KVCodec(ABC):
     name: str | None = None
     describe: str = ""
     alignment: int = 1  # slots are used in aligned runs of this many consecutive positions
+    window_tokens: int = 0  # most tokens per sequence held outside token_bytes (kivi2's window)
 
     def __init__(self, spec: KVSpec, num_slots: int, dtype: torch.dtype, device: torch.device):
         self.spec, self.num_slots, self.dtype, self.device = spec, num_slots, dtype, device

@@ -69,6 +69,7 @@ class Kivi2(KVCodec):
     name, describe = "kivi2", "2-bit: keys per channel (16-token groups), values per token"
     group = 16  # G: positions per key group
     alignment = group
+    window_tokens = group - 1  # in the model's dtype, per running sequence
 
     @classmethod
     def token_bytes(cls, spec: KVSpec, dtype: torch.dtype) -> int:
