@@ -210,7 +210,7 @@ class Engine:
     def _retire(self, seq: Sequence, reason: str, now: float) -> list[RequestOutput]:
         seq.finish_s, seq.finish_reason = now, reason
         seq.first_token_s = seq.first_token_s or now
-        self.scheduler.finish(seq, "cancelled" if reason == "cancelled" else "finished")
+        self.scheduler.finish(seq, "cancelled" if reason == "cancelled" else "finished", now)
         return self._complete(seq)
 
     def cancel(self, request_id: int) -> bool:

@@ -87,7 +87,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish(self, seq: Sequence, state: str = "finished") -> None:
+    def finish(self, seq: Sequence, state: str = "finished", now: float | None = None) -> None:
         """Retire a sequence (finished or cancelled) and free its KV memory at once."""
         if seq in self.running:
             self.running.remove(seq)
@@ -98,7 +98,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.events.append(Event(self._now, seq.request_id, state))
+        self.events.append(Event(self._now if now is None else now, seq.request_id, state))
         if not self.running and not self.swapped:
             self.batch_open = True
 
@@ -112,7 +112,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if not self.config.chunked_prefill:
             prefill = self._admit(now, budget, whole=True) if admitting else []
-            rows = prefill or [(s, 1) for s in self._by_priority(self.running)]
+            rows = prefill or [(s, s.num_pending) for s in self._by_priority(self.running)]
         elif self.config.schedule_order == "decode-first":
             rows = self._decodes(budget)
             rows += self._prefills(now, budget - len(rows), admitting)
@@ -199,7 +199,7 @@ class Scheduler:
         self.preemptions += 1
         victim.preemptions += 1
         victim.preempted_at = self._now
-        if self.config.preemption == "swap":
+        if self.config.preemption == "swap" and victim.num_computed:
             self.swap_space[victim.request_id] = self.cache.swap_out(victim)
             self.swapped_bytes += victim.num_computed * self.cache.pool.bytes_per_token
             bisect.insort(self.swapped, victim, key=queue_key)

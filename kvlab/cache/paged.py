@@ -105,6 +105,10 @@ class PagedCache(KVCache):
             self.allocator.decref(source, keep_cached=source in self.index)
             hit += match.partial_tokens
         seq.num_computed = seq.prefix_hit_tokens = hit
+        if self.watermark_blocks is not None:
+            # Take the prompt's blocks now, so the next admission in the same step sees
+            # them gone (watermark admission makes no promises to count instead).
+            self.ensure_capacity(seq, seq.num_tokens)
 
     def _promise(self, seq: Sequence, table: list[int]) -> int:
         """Blocks set aside for `seq` to grow into (reserve admission only)."""
