@@ -10,6 +10,7 @@ BATCHING_MODES = ("continuous", "static")
 SCHEDULE_ORDERS = ("prefill-first", "decode-first")
 ADMISSION_POLICIES = ("reserve", "watermark")
 PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("torch", "kernels")
 # KV storage codecs (kvlab/cache/codecs.py); None keeps the model's dtype.
 KV_DTYPES = ("fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2")
 
@@ -57,6 +58,9 @@ class EngineConfig:
             running request of lowest priority, then the most recently admitted.
         batching: "continuous" (a waiting request joins as soon as memory frees) or
             "static" (a new batch starts only when the whole previous batch is done).
+        attention: "torch" (the plain-torch reference path) or "kernels" (decode steps
+            through the Triton paged-attention kernel of kvlab.kernels on CUDA, its torch
+            reference elsewhere).
         poison_freed: debug mode: fill freed KV slots with NaN, so a read of another
             sequence's stale state would show up as NaN output.
         record_block_map: keep, for every step, which request owns each physical block
@@ -80,6 +84,7 @@ class EngineConfig:
     watermark: float = 0.01
     preemption: str = "recompute"
     batching: str = "continuous"
+    attention: str = "torch"
     poison_freed: bool = False
     record_block_map: bool = False
     kv_dtype: str | None = None
@@ -118,6 +123,7 @@ class EngineConfig:
             ("schedule_order", SCHEDULE_ORDERS),
             ("admission", ADMISSION_POLICIES),
             ("preemption", PREEMPTION_MODES),
+            ("attention", ATTENTION_BACKENDS),
         ):
             value = getattr(self, name)
             _require(

@@ -50,6 +50,10 @@ class Engine:
             self.runner.device,
             self.max_model_len,
         )
+        if self.config.attention == "kernels":
+            from kvlab.kernel_attention import KernelAttention
+
+            self.runner.attention_fn = KernelAttention(self.cache.block_size)
         self.scheduler = Scheduler(self.config, self.cache)
         self.telemetry = Telemetry()
         self.eos_ids = _eos_ids(model)

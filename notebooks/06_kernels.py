@@ -1,0 +1,325 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Kernels: paged decode attention, KV writes, fused dequantization
+#
+# Every decode step reads **the whole KV cache** of every running sequence to produce one
+# token per sequence. That makes decode attention *memory-bound*: its speed is the speed
+# at which K and V come out of memory. Serving engines therefore write their own kernels
+# that read K/V **straight through the block table** (no gathered copy), write new K/V
+# (quantizing them on the way), and **dequantize inside the kernel** (no dequantized copy).
+#
+# kvlab's kernels live in `kvlab.kernels` (the repo's `kernels/` folder), each beside a
+# plain-torch reference with the same signature:
+#
+# * `paged_decode_attention_triton` (reference `paged_decode_attention_ref`): one query
+#   token per sequence, GQA, the block table walk, split-K, int8/fp8 dequantized inside;
+# * `kv_write_triton` (reference `kv_write_ref`): scatter the new K/V into their slots,
+#   quantizing to int8/fp8 exactly as `kvlab.cache.codecs` does.
+#
+# `paged_decode_attention` and `kv_write` dispatch: Triton on CUDA, the reference
+# elsewhere; `backend="triton"` forces the kernel. On a CPU the kernels then run under
+# **Triton's interpreter** (numpy, slow), which must be switched on before triton is
+# first imported: the set-up cell does that when there is no GPU.
+
+# %%
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first `import triton`
+
+import pandas as pd  # noqa: E402
+import plotly.io as pio  # noqa: E402
+from kvlab.kernels import bench  # noqa: E402
+
+import kvlab  # noqa: E402
+from kvlab import kernels  # noqa: E402
+from kvlab.kernel_attention import KernelAttention  # noqa: E402
+from kvlab.viz.kernels import block_walk_figure, roofline_figure  # noqa: E402
+
+pio.renderers.default = "plotly_mimetype"
+torch.manual_seed(0)
+model = kvlab.load_model(device=device, progress=False)
+print(f"device: {device}, kernels run {'compiled' if device == 'cuda' else 'interpreted'}")
+
+# %% [markdown]
+# ## 1 · Why decode is memory-bound
+#
+# One decode step of one attention layer, for one sequence with a context of *n* tokens:
+# each of the `heads` query vectors takes a dot product with *n* keys, and a weighted sum
+# of *n* values: about 4 · heads · head_dim · n floating-point operations. It must read
+# the *n* keys and values: 2 · kv_heads · head_dim · n elements. For SmolLM2-135M
+# (9 query heads, 3 kv heads, head_dim 64) in bf16 that is:
+
+# %%
+cfg = model.config
+heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+head_dim = cfg.hidden_size // heads
+flops_per_token = 4 * heads * head_dim
+bytes_per_token = 2 * kv_heads * head_dim * 2  # K and V, bf16
+print(f"{flops_per_token} FLOP per context token, {bytes_per_token} bytes per context token")
+print(f"arithmetic intensity: {flops_per_token / bytes_per_token:.1f} FLOP/byte")
+
+# %% [markdown]
+# A GPU like the H200 does ~200 bf16 FLOP in the time it reads one byte from memory, so
+# at 3 FLOP/byte the arithmetic units idle and **bandwidth is the whole story**. The
+# kernel's goal is to stream K/V at close to the memory's copy bandwidth. Halving the
+# bytes per token (int8 or fp8 K/V plus a small scale) roughly halves decode attention's
+# time, if the dequantization happens inside the kernel and not in a separate pass.
+
+# %% [markdown]
+# ## 2 · How the kernel walks the block table
+#
+# The paged cache (notebook 02) scatters a sequence's tokens over fixed-size blocks of a
+# shared pool, in whatever order the allocator handed them out. The kernel never gathers
+# them into a contiguous copy: each program (one per **sequence × kv head × split**)
+# steps through its part of the context in **tiles** of positions, and for each position
+# *p* computes
+#
+# ```
+# block = block_table[seq, p // block_size]      # logical block -> physical block
+# slot  = block * block_size + p % block_size    # the row of the pool it loads
+# ```
+#
+# `kernels.walk` is that arithmetic in plain Python. Below: two sequences with 10 and 6
+# tokens, blocks of 4 slots, tiles of 4 positions, and the context cut into 2 splits (the
+# split-K trick of section 3).
+
+# %%
+tables, lens = [[5, 2, 7], [1, 6]], [10, 6]
+walked = pd.DataFrame(kernels.walk(tables, lens, block_size=4, tile=4, num_splits=2))
+print(walked[walked.seq == 0].to_string(index=False))
+
+# %%
+block_walk_figure(tables, lens, block_size=4, tile=4, num_splits=2, num_blocks=8)
+
+# %% [markdown]
+# In the top panel each square is one position of a sequence's context, labelled with the
+# physical block it is read from (odd tiles drawn lighter; the dashed line is where the
+# second split's program takes over). The bottom panel is the pool itself: sequence 0's
+# positions 0-3 sit in block 5, 4-7 in block 2, 8-9 in the first half of block 7. The
+# last block is partly filled: the kernel masks positions past the context length, so the
+# empty slots are never read. Blocks 0, 3 and 4 belong to nobody.
+#
+# Three more ideas make the kernel fast, all in `kernels/decode_attention.py`:
+#
+# * **GQA**: the program for kv head *h* serves all `heads // kv_heads` query heads that
+#   share it, so each K/V tile is loaded once and used 3 times (SmolLM2).
+# * **Online softmax**: scores are never stored; a running max and sum rescale the
+#   partial output tile by tile (the flash-attention recurrence).
+# * **Split-K** (flash-decoding): with few sequences, B × kv_heads programs cannot fill
+#   a GPU; cutting each context into `num_splits` chunks gives more programs, each writing
+#   a partial output and its log-sum-exp, merged by a small second kernel.
+
+# %% [markdown]
+# ## 3 · Kernel = reference, for every codec
+#
+# A small paged pool (ragged contexts 5, 13 and 8 over blocks of 4; 4 query heads over 2
+# kv heads) is written **by the Triton KV-write kernel** and by the torch reference, for
+# the model's dtype, int8 and both fp8 formats. The writes must agree bit for bit (codes
+# and bf16 scales: the same layout as `kvlab.cache.codecs`). Then decode attention runs
+# through the kernel (1 split and 2 splits) and the reference.
+
+
+# %%
+def kernel_vs_reference(kv_dtype, lens=(5, 13, 8), shape=(4, 2, 16), block_size=4):
+    args = bench.decode_inputs(list(lens), shape, kv_dtype, torch.float32, device, block_size)
+    q, kc, vc, tables, ctx, scale, bs, ks, vs, _ = args
+    # Re-write the pool with the Triton kernel; it must equal the reference's bytes.
+    g = torch.Generator(device=device).manual_seed(1)
+    k, v = (torch.randn(kc.shape, generator=g, device=device) for _ in range(2))
+    slots = torch.arange(kc.shape[0], device=device)
+    ref_pool = [torch.empty_like(t) for t in (kc, vc, ks, vs)]
+    kernels.kv_write_ref(k, v, ref_pool[0], ref_pool[1], slots, *ref_pool[2:], kv_dtype)
+    kernels.kv_write_triton(k, v, kc, vc, slots, ks, vs, kv_dtype)
+    compared = 4 if kv_dtype in kernels.SCALED else 2  # codes (and their scales)
+    written = (kc, vc, ks, vs)[:compared]
+    same = all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(written, ref_pool)
+    )
+    ref = kernels.paged_decode_attention_ref(*args)
+    errors = {
+        f"max |kernel - ref|, {n} split{'s' * (n > 1)}": (
+            kernels.paged_decode_attention_triton(*args, n, tile=16) - ref
+        )
+        .abs()
+        .max()
+        .item()
+        for n in (1, 2)
+    }
+    return {"kv_dtype": kv_dtype or "model dtype (fp32)", "write bitwise equal": same, **errors}
+
+
+checks = pd.DataFrame([kernel_vs_reference(c) for c in (None, "int8", "fp8_e4m3", "fp8_e5m2")])
+print(checks[["kv_dtype", "write bitwise equal"]].to_string(index=False))
+error_columns = [c for c in checks.columns if c.startswith("max")]
+print("every attention error below 1e-5:", bool((checks[error_columns] < 1e-5).all().all()))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(checks.to_string(index=False))
+
+# %% [markdown]
+# The errors are float rounding, ~1e-7: the kernel sums in a different order (tile by
+# tile, split by split) and, for int8/fp8, multiplies each token's scale into its score
+# (K) or probability (V) instead of into every element, but it reads the very same codes.
+#
+# **On the real model.** `KernelAttention` is an `attention_fn` for kvlab's model runner:
+# decode steps go through `paged_decode_attention`, prefill stays on the torch path. The
+# block table is read off the step's metadata. Below, SmolLM2 with **int8 K/V**: the
+# kernel reads the int8 codes and their scales straight from the pool, and greedy
+# decoding gives the same tokens as the torch path, which dequantizes a gathered copy.
+# (On a CPU each layer's kernel call is interpreted, ~0.2 s: hence only 4 new tokens.)
+
+# %%
+prompt, params = "What is the capital of France?", kvlab.SamplingParams(max_new_tokens=4)
+for kv_dtype in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
+    outputs = {}
+    for path in ("torch", "kernel"):
+        config = kvlab.EngineConfig(
+            cache="paged", block_size=16, max_model_len=256, kv_budget_tokens=512, kv_dtype=kv_dtype
+        )
+        engine = kvlab.Engine(model, config)
+        if path == "kernel":
+            attention = KernelAttention(engine.cache.block_size, backend="triton")
+            engine.runner.attention_fn = attention
+        [out] = engine.generate([prompt], params)
+        outputs[path] = out.token_ids
+    print(
+        f"kv_dtype={kv_dtype}: {model.tokenizer.decode(outputs['kernel'])!r}, "
+        f"same tokens as torch: {outputs['kernel'] == outputs['torch']}, "
+        f"kernel calls: {attention.decode_calls}"
+    )
+
+# %% [markdown]
+# ## 4 · A roofline: bytes moved against time
+#
+# If decode attention runs at the memory's speed, its time is *bytes / bandwidth*: on a
+# log-log plot of time against the bytes a call must read, the points sit on a line of
+# slope 1, the **copy-bandwidth roofline** (measured by copying a large tensor). Points
+# above the line are slower than memory allows; small calls sit above it because launch
+# overheads dominate.
+#
+# On a GPU this cell measures the Triton kernel live (SmolLM2's layer shape, bf16, and
+# int8 K/V). Without one it plots the results `benchmarks/gpu_check.py` committed from a
+# GPU run, if there are any; otherwise it measures the CPU's torch reference, which is
+# what a CPU runs for decode attention.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+results = Path(kvlab.__file__).parents[1] / "benchmarks" / "results" / "gpu_check.json"
+shape = (heads, kv_heads, head_dim)
+if device == "cuda":
+    copy = bench.copy_bandwidth(device, 1 << 30)
+    rows = []
+    for kv_dtype in (None, "int8"):
+        for context in (512, 2048, 8192):
+            for batch in (1, 8, 32):
+                args = bench.decode_inputs(
+                    [context] * batch, shape, kv_dtype, torch.bfloat16, device
+                )
+                ms = bench.bench_ms(
+                    lambda a=args: kernels.paged_decode_attention_triton(*a), device
+                )
+                rows.append(
+                    dict(
+                        series=f"Triton {kv_dtype or 'bf16'}",
+                        bytes=bench.bytes_moved(args),
+                        ms=ms,
+                        context=context,
+                        batch=batch,
+                    )
+                )
+    points, title = pd.DataFrame(rows), f"decode kernel, live on {torch.cuda.get_device_name()}"
+elif results.exists():
+    saved = json.loads(results.read_text())
+    copy = saved["copy_bandwidth"]
+    rows = [
+        dict(
+            series=f"{r['shape']} {r['kv_dtype']}",
+            bytes=r["bytes"],
+            ms=r["tuned_ms"],
+            context=r["context"],
+            batch=r["batch"],
+        )
+        for r in saved["bandwidth"]
+        if "tuned_ms" in r
+    ]
+    points = pd.DataFrame(rows)
+    title = f"decode kernel on {saved['device']} ({saved['date'][:10]}, committed results)"
+else:
+    print("No GPU here, and no GPU result is committed yet (benchmarks/results/gpu_check.json):")
+    print("plotting the CPU's torch reference, measured now, instead of the Triton kernel.")
+    copy = bench.copy_bandwidth(device, 64 << 20, reps=5)
+    rows = []
+    for kv_dtype in (None, "int8"):
+        for context in (256, 1024, 4096):
+            for batch in (1, 4):
+                args = bench.decode_inputs(
+                    [context] * batch, shape, kv_dtype, torch.float32, device
+                )
+                ms = bench.bench_ms(
+                    lambda a=args: kernels.paged_decode_attention_ref(*a), device, 5
+                )
+                rows.append(
+                    dict(
+                        series=f"torch reference, {kv_dtype or 'fp32'} K/V",
+                        bytes=bench.bytes_moved(args),
+                        ms=ms,
+                        context=context,
+                        batch=batch,
+                    )
+                )
+    points, title = pd.DataFrame(rows), "decode attention's torch reference, live on this CPU"
+points = points.assign(frac_of_copy=points["bytes"] / points["ms"] / 1e6 / copy["gb_s"])
+roofline_figure(points, copy["gb_s"], title)
+
+# %% [markdown]
+# The fraction of the copy bandwidth each point reaches (1.0 = on the roofline):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+points.pivot_table(index=["series", "context"], columns="batch", values="frac_of_copy").round(2)
+
+# %% [markdown]
+# On a CPU the reference is far below the roofline: it gathers K/V into a dense copy,
+# dequantizes it into yet another copy, and makes the fp32 softmax tensors, so it moves
+# several times the bytes counted here. The Triton kernel reads each byte once; on a GPU
+# (run `python benchmarks/gpu_check.py`) large batches and long contexts should get close
+# to the line, and int8/fp8 K/V should halve the time of bf16 at the same context.
+#
+# ## What to try next
+#
+# * `kernels.walk(tables, lens, block_size, tile, num_splits)` with your own block tables
+#   and `block_walk_figure` to see which program reads which slot; try `num_splits=3`.
+# * Change `tile=16` in `kernel_vs_reference` to 32 or 64: the result must not change.
+# * Read `kernels/decode_attention.py`: the loop body is the whole algorithm (block table
+#   walk, scores, online softmax, weighted sum of V) in ~25 lines.
+# * On a GPU, `python benchmarks/gpu_check.py` measures the kernel's bandwidth against the
+#   copy bandwidth over context lengths and batch sizes, and the engine against HF
+#   `generate`; its JSON lands in `benchmarks/results/`, where this notebook picks it up.
+#
+# The stored outputs of this notebook come from the machine below.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {device}")
