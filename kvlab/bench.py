@@ -1,0 +1,286 @@
+"""kvlab against what users would otherwise run: HF transformers, same model and prompts.
+
+    result = run_bench(model, doc_qa(16), peers=("hf-generate", "hf-generate-batch"))
+    result.to_json()  # {"systems": {name: {"output_tokens", "wall_s", "tok_s"}}, "ratios": {...}}
+    result.save("bench.json"); BenchResult.load("bench.json").figure()
+
+Every system gets the same token-id prompts, greedy decoding and each request's own
+max_new_tokens, with EOS ignored so all produce the same number of tokens. Systems run
+in one process, one after another; with `rounds` > 1 the order alternates (forward,
+then reversed) and each system's fastest round is kept (this machine is shared: the
+fastest round is the least disturbed). A tiny untimed warm-up precedes the first round.
+
+Wall time includes each system's set-up: kvlab's Engine construction and
+transformers' continuous-batching manager start-up and shut-down.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from tqdm.auto import tqdm
+
+from kvlab.compare import (
+    PALETTE,
+    PEER_COLOR,
+    default_max_model_len,
+    encode_requests,
+    model_bytes_per_token,
+    parse_config,
+    round_up,
+    write_report,
+)
+from kvlab.engine import Engine
+from kvlab.model_loading import LoadedModel
+from kvlab.peers import choose_batch_size, hf_generate, hf_generate_batch
+from kvlab.workloads import Request
+
+PEERS = ("hf-generate", "hf-generate-batch")
+DEFAULT_KVLAB_CONFIG = "paged+prefix"
+
+
+def is_kvlab(name: str) -> bool:
+    return name == "kvlab" or name.startswith("kvlab-")
+
+
+@dataclass
+class SystemResult:
+    """One system's best round."""
+
+    name: str
+    output_tokens: int
+    wall_s: float
+    batch_size: int | None = None  # hf-generate's static batch size
+    walls_s: list[float] = field(default_factory=list)  # every timed round
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+@dataclass
+class BenchResult:
+    workload: str
+    systems: dict[str, SystemResult]
+    meta: dict = field(default_factory=dict)
+
+    def ratios(self) -> dict[str, float]:
+        """tok/s of every kvlab entry over every peer's: {"kvlab/hf-generate": 2.1, ...}."""
+        ours = [s for s in self.systems.values() if is_kvlab(s.name)]
+        theirs = [s for s in self.systems.values() if not is_kvlab(s.name)]
+        return {f"{a.name}/{b.name}": round(a.tok_s / b.tok_s, 3) for a in ours for b in theirs}
+
+    def to_json(self) -> dict:
+        """What `kvlab bench --json` prints."""
+        systems = {
+            name: {
+                "output_tokens": s.output_tokens,
+                "wall_s": round(s.wall_s, 3),
+                "tok_s": round(s.tok_s, 2),
+            }
+            for name, s in self.systems.items()
+        }
+        return {"systems": systems, "ratios": self.ratios()}
+
+    def to_dict(self) -> dict:
+        """to_json() plus the workload, batch sizes, every round's wall time and meta."""
+        details = {
+            name: {"batch_size": s.batch_size, "walls_s": [round(w, 3) for w in s.walls_s]}
+            for name, s in self.systems.items()
+        }
+        return {**self.to_json(), "workload": self.workload, "details": details, "meta": self.meta}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> BenchResult:
+        """A result saved by `save` (or printed by `kvlab bench --json`)."""
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        details = data.get("details", {})
+        systems = {
+            name: SystemResult(
+                name,
+                row["output_tokens"],
+                row["wall_s"],
+                details.get(name, {}).get("batch_size"),
+                details.get(name, {}).get("walls_s", [row["wall_s"]]),
+            )
+            for name, row in data["systems"].items()
+        }
+        return cls(data.get("workload", str(path)), systems, data.get("meta", {}))
+
+    def table(self) -> pd.DataFrame:
+        rows = {
+            name: {
+                "output_tokens": s.output_tokens,
+                "wall_s": round(s.wall_s, 2),
+                "tok_s": round(s.tok_s, 1),
+                "batch_size": s.batch_size,
+            }
+            for name, s in self.systems.items()
+        }
+        frame = pd.DataFrame.from_dict(rows, orient="index")
+        return frame.astype({"batch_size": "Int64"})
+
+    def peer_rates(self, prefix: str = "") -> dict[str, float]:
+        """{name: tok/s} of every system (for bars beside a live run), names prefixed."""
+        return {f"{prefix}{name}": round(s.tok_s, 2) for name, s in self.systems.items()}
+
+    def figure(self) -> go.Figure:
+        """Output tok/s per system: kvlab coloured, peers grey, ratios in the title."""
+        names = list(self.systems)
+        colors = [
+            PALETTE[i % len(PALETTE)] if is_kvlab(n) else PEER_COLOR for i, n in enumerate(names)
+        ]
+        rates = [self.systems[n].tok_s for n in names]
+        ratios = ", ".join(f"{k} = {v:.2f}x" for k, v in self.ratios().items())
+        fig = go.Figure(
+            go.Bar(x=names, y=rates, marker_color=colors, text=[f"{r:.1f}" for r in rates])
+        )
+        fig.update_layout(
+            title=f"{self.workload}: output tok/s<br><sup>{ratios}</sup>",
+            yaxis_title="output tok/s",
+            height=380,
+        )
+        return fig
+
+    def write_html(self, path: str | Path) -> None:
+        note = ", ".join(f"{k}: {v}" for k, v in self.meta.items() if not isinstance(v, dict))
+        tables = {"systems": self.table(), "ratios": pd.Series(self.ratios()).to_frame("ratio")}
+        write_report(path, f"kvlab bench: {self.workload}", note, tables, {"tok/s": self.figure()})
+
+
+def _first_eos_prefix(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i]
+    return tokens
+
+
+def run_bench(
+    model: LoadedModel,
+    requests: list[Request],
+    configs: list[str] | tuple[str, ...] = (DEFAULT_KVLAB_CONFIG,),
+    peers: list[str] | tuple[str, ...] = PEERS,
+    budget_bytes: int | None = None,
+    max_model_len: int | None = None,
+    hf_batch_size: int | None = None,
+    rounds: int = 1,
+    warmup: bool = True,
+    progress: bool = False,
+    workload: str = "custom",
+    **engine_options,
+) -> BenchResult:
+    """Run `requests` through kvlab (each config) and the peers; see the module doc.
+
+    Args:
+        configs: kvlab config names (`kvlab.compare.parse_config`); one is reported as
+            "kvlab", several as "kvlab-<name>".
+        peers: any of PEERS.
+        budget_bytes: KV budget for kvlab and for hf-generate-batch's cache, and the
+            memory hf-generate's batch size is chosen to fit; default: the whole workload
+            at once (every request's prompt + max_new_tokens, in 16-token blocks).
+        hf_batch_size: hf-generate's static batch size; default `choose_batch_size`
+            (16, or the largest padded batch that fits the budget).
+    """
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {PEERS}")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
+    if not requests:
+        raise ValueError("the workload has no requests")
+    requests = encode_requests(model, requests)
+    prompts = [list(r.prompt) for r in requests]
+    max_new = [r.max_new_tokens for r in requests]
+    per_token = model_bytes_per_token(model)
+    max_model_len = max_model_len or default_max_model_len(model, requests)
+    if budget_bytes is None:
+        budget_bytes = sum(round_up(len(p) + n, 16) for p, n in zip(prompts, max_new)) * per_token
+    kvlab_configs = {
+        ("kvlab" if len(configs) == 1 else f"kvlab-{name}"): parse_config(
+            name, kv_budget_bytes=budget_bytes, max_model_len=max_model_len, **engine_options
+        )
+        for name in configs
+    }
+    batch_size = hf_batch_size or choose_batch_size(
+        [len(p) for p in prompts], max_new, budget_bytes, per_token
+    )
+    page_size = 256
+    step_tokens = next(iter(kvlab_configs.values())).max_num_batched_tokens
+
+    def run(name: str, reqs: list[Request], show: bool) -> SystemResult:
+        ids, new = [list(r.prompt) for r in reqs], [r.max_new_tokens for r in reqs]
+        if is_kvlab(name):
+            if show:
+                tqdm.write(name, file=sys.stderr)
+            start = time.perf_counter()
+            engine = Engine(model, kvlab_configs[name])
+            outs = engine.run(reqs, ignore_eos=True, progress=show)
+            wall = time.perf_counter() - start
+            outputs = [o.token_ids for o in outs]
+            return SystemResult(name, sum(map(len, outputs)), wall, outputs=outputs)
+        if name == "hf-generate":
+            peer = hf_generate(model, ids, new, batch_size, ignore_eos=True, progress=show)
+        else:
+            num_blocks = -(-budget_bytes // (page_size * per_token))
+            peer = hf_generate_batch(
+                model, ids, new, num_blocks, page_size, step_tokens, progress=show
+            )
+        return SystemResult(
+            name, peer.output_tokens, peer.wall_s, peer.batch_size, [], peer.outputs
+        )
+
+    systems = [*kvlab_configs, *peers]
+    if warmup:  # one short request each, untimed: first-call costs land here
+        tiny = [Request(prompts[0][:16], 2)]
+        for name in systems:
+            run(name, tiny, False)
+    best: dict[str, SystemResult] = {}
+    for index in range(rounds):
+        order = systems if index % 2 == 0 else systems[::-1]
+        for name in order:
+            result = run(name, requests, progress)
+            walls = [*best[name].walls_s, result.wall_s] if name in best else [result.wall_s]
+            if name not in best or result.wall_s < best[name].wall_s:
+                best[name] = result
+            best[name].walls_s = walls
+    eos = {model.tokenizer.eos_token_id}
+    reference = best[next(iter(kvlab_configs))].outputs
+    agreement = {
+        name: round(
+            sum(
+                _first_eos_prefix(a, eos) == b[: len(_first_eos_prefix(a, eos))]
+                for a, b in zip(reference, s.outputs)
+            )
+            / len(reference),
+            3,
+        )
+        for name, s in best.items()
+    }
+    meta = {
+        "model": model.name,
+        "device": str(model.device),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "requests": len(requests),
+        "prompt_tokens": sum(map(len, prompts)),
+        "max_new_tokens": sum(max_new),
+        "kv_budget_bytes": budget_bytes,
+        "max_model_len": max_model_len,
+        "kvlab_configs": list(configs),
+        "hf_generate_batch_size": batch_size if "hf-generate" in peers else None,
+        "rounds": rounds,
+        "order": systems,
+        "greedy_match_to_first_eos": agreement,
+    }
+    return BenchResult(workload, {name: best[name] for name in systems}, meta)

@@ -1,0 +1,30 @@
+"""Classroom labs: learners implement an engine part; a grader checks it like the library's own.
+
+Each grader takes the learner's code, runs seeded property checks and reference comparisons
+(the same kinds of checks the library's parts pass in tests/), prints a short report and
+returns a `LabResult`. On a failure the report names the broken invariant, shows the
+smallest failing input found (as code to paste and run) and what was expected.
+
+    from kvlab.labs import check_block_allocator
+    result = check_block_allocator(MyAllocator)   # prints "... all 5 checks passed."
+
+The lab notebooks are in notebooks/labs/; reference solutions in `kvlab.labs.solutions`.
+"""
+
+from kvlab.labs.allocator import check_block_allocator
+from kvlab.labs.grading import Failure, LabFailure, LabResult
+from kvlab.labs.hashing import check_block_hash
+from kvlab.labs.int8 import check_int8_codec
+from kvlab.labs.victim import check_victim_choice, kvlab_victim, running_seq
+
+__all__ = [
+    "Failure",
+    "LabFailure",
+    "LabResult",
+    "check_block_allocator",
+    "check_block_hash",
+    "check_int8_codec",
+    "check_victim_choice",
+    "kvlab_victim",
+    "running_seq",
+]

@@ -1,0 +1,173 @@
+"""Notebook 07's dashboard: one workload through several engine designs, side by side.
+
+Widgets pick the workload, its size, the KV budget and the configs; "Run" serves the
+workload through every config live on the real model (`kvlab.compare.compare`) and redraws
+four panels: KV memory over time (reserved vs live), throughput (with the systems of a
+saved `kvlab bench` run beside kvlab's, in grey), latency, and peak concurrency.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.bench import BenchResult
+from kvlab.compare import (
+    DEFAULT_CONFIGS,
+    MIB,
+    Comparison,
+    add_capacity,
+    add_latency,
+    add_memory,
+    add_throughput,
+    compare,
+)
+from kvlab.model_loading import LoadedModel
+from kvlab.workloads import WORKLOADS, load_workload
+
+CONFIG_CHOICES = (
+    "naive",
+    "naive+int8",
+    "paged",
+    "paged+prefix",
+    "paged+radix",
+    "paged+int8",
+    "paged+prefix+int8",
+    "paged+prefix+int4",
+    "paged+prefix+kivi2",
+)
+# Per-workload options: answers short enough for a CPU run of a few requests to take
+# seconds, not minutes. The constructor's `workload_options` update these.
+WORKLOAD_OPTIONS = {
+    "doc-qa": {"short_answer": (8, 16), "long_answer": (24, 32)},
+    "chat": {"max_new_tokens": (8, 24)},
+    "uniform-chat": {"max_new_tokens": 16},
+}
+PANELS = (
+    "KV memory: reserved (solid) vs live (dotted)",
+    "throughput (grey: saved bench)",
+    "latency",
+    "peak concurrent sequences",
+)
+
+
+class Dashboard:
+    """Workload, size, budget and configs in; memory, throughput and latency out.
+
+    Args:
+        model: the loaded model every config serves.
+        workload: a built-in workload name; `n` requests of it.
+        workload_options: {workload name: options of its builder}, over WORKLOAD_OPTIONS
+            (e.g. {"doc-qa": {"seed": 8}}).
+        budget_mib: the KV budget of every config, in MiB.
+        configs: the configs selected at first.
+        bench: a saved bench (BenchResult or a path to its JSON): its systems are drawn
+            in grey beside kvlab's live throughput.
+        initial: a Comparison to draw at once instead of running (keeps notebooks fast).
+        max_model_len: per-sequence cap (what the naive cache reserves); default from
+            the workload (`kvlab.compare.default_max_model_len`).
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        workload: str = "doc-qa",
+        n: int = 6,
+        budget_mib: float = 128.0,
+        configs: tuple[str, ...] = DEFAULT_CONFIGS,
+        bench: BenchResult | str | Path | None = None,
+        initial: Comparison | None = None,
+        max_model_len: int | None = None,
+        workload_options: dict[str, dict] | None = None,
+    ):
+        self.model, self.max_model_len = model, max_model_len
+        self.workload_options = {k: dict(v) for k, v in WORKLOAD_OPTIONS.items()}
+        for name, options in (workload_options or {}).items():
+            self.workload_options.setdefault(name, {}).update(options)
+        if isinstance(bench, str | Path):
+            bench = BenchResult.load(bench)
+        self.bench = bench
+        self.result: Comparison | None = None
+        self.workload = widgets.Dropdown(
+            options=list(WORKLOADS), value=workload, description="workload"
+        )
+        self.n = widgets.IntSlider(value=n, min=1, max=32, description="requests")
+        self.budget = widgets.FloatLogSlider(
+            value=budget_mib, base=2, min=2, max=12, step=0.25, description="KV MiB"
+        )
+        options = list(dict.fromkeys([*CONFIG_CHOICES, *configs]))
+        self.configs = widgets.SelectMultiple(
+            options=options, value=tuple(configs), description="configs", rows=6
+        )
+        self.run_button = widgets.Button(description="Run", button_style="primary")
+        self.run_button.on_click(lambda _button: self.run())
+        self.status = widgets.HTML()
+        self.figure = go.FigureWidget(
+            make_subplots(
+                rows=2,
+                cols=2,
+                subplot_titles=PANELS,
+                horizontal_spacing=0.1,
+                vertical_spacing=0.14,
+            )
+        )
+        self.figure.update_layout(height=720, barmode="group", legend=dict(font=dict(size=10)))
+        if initial is not None:
+            self.draw(initial)
+
+    def requests(self):
+        """The requests the widgets describe."""
+        options = self.workload_options.get(self.workload.value, {})
+        return load_workload(self.workload.value, n=self.n.value, **options)
+
+    def run(self) -> Comparison | None:
+        """Serve the workload through every selected config and redraw; errors (a budget
+        too small for one naive sequence, say) go to the status line."""
+        if not self.configs.value:
+            self.status.value = "<b>pick at least one config</b>"
+            return None
+        self.status.value = "running..."
+        try:
+            result = compare(
+                self.model,
+                self.requests(),
+                list(self.configs.value),
+                budget_bytes=int(self.budget.value * MIB),
+                max_model_len=self.max_model_len,
+                workload=f"{self.workload.value} x {self.n.value}",
+            )
+        except ValueError as error:
+            self.status.value = f"<b>error:</b> {html.escape(str(error))}"
+            return None
+        self.draw(result)
+        return result
+
+    def draw(self, result: Comparison) -> None:
+        """Redraw every panel from a Comparison."""
+        self.result = result
+        peers = self.bench.peer_rates(prefix="bench: ") if self.bench else None
+        self.figure.data = ()
+        with self.figure.batch_update():
+            add_memory(self.figure, result, 1, 1)
+            add_throughput(self.figure, result, peers, 1, 2)
+            add_latency(self.figure, result, 2, 1)
+            add_capacity(self.figure, result, 2, 2)
+        peaks = ", ".join(f"{n} {r.metrics['peak_concurrent']}" for n, r in result.runs.items())
+        bench = f"; grey bars: saved bench on {self.bench.workload}" if self.bench else ""
+        self.status.value = html.escape(
+            f"{result.workload}: KV budget {result.budget_bytes / MIB:.1f} MiB, "
+            f"max_model_len {result.max_model_len}; peak concurrent: {peaks}{bench}"
+        )
+
+    def widget(self) -> widgets.Widget:
+        controls = widgets.VBox([self.workload, self.n, self.budget, self.run_button])
+        return widgets.VBox([widgets.HBox([controls, self.configs]), self.status, self.figure])
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget())

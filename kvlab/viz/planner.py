@@ -1,0 +1,167 @@
+"""Notebook 08's capacity planner app: pick a model, an accelerator and dtypes; see what fits.
+
+Every change recomputes `kvlab.planner.plan` (arithmetic only, instant) and redraws two
+panels: max concurrent sequences against context length (paged, naive, and the same
+model with MHA), and the memory `users` sequences at the chosen context need, against
+what the accelerator offers.
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.planner import (
+    GIB,
+    KV_DTYPES,
+    MODELS,
+    WEIGHT_DTYPES,
+    ModelShape,
+    capacity_curve,
+    plan,
+)
+
+CONTEXTS = tuple(2**k for k in range(7, 18))  # 128 .. 131072 tokens
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+PANELS = ("max concurrent sequences", "memory for the users at this context")
+COLORS = {"paged": "#636efa", "naive": "#ef553b", "paged_mha": "#00cc96"}
+
+
+class PlannerApp:
+    """Widgets for model, memory, dtypes, context, block size and users; two live panels."""
+
+    def __init__(
+        self,
+        model: str = "Llama-3-8B",
+        memory_gib: float = 80.0,
+        weight_dtype: str = "bf16",
+        kv_dtype: str = "auto",
+        context_len: int = 4096,
+        block_size: int = 16,
+        users: int = 32,
+    ):
+        style = {"description_width": "110px"}
+        self.model = widgets.Dropdown(
+            options=list(MODELS), value=model, description="model", style=style
+        )
+        self.memory = widgets.FloatLogSlider(
+            value=memory_gib,
+            base=2,
+            min=0,
+            max=10,
+            step=0.125,
+            description="memory GiB",
+            style=style,
+        )
+        self.weight_dtype = widgets.Dropdown(
+            options=list(WEIGHT_DTYPES), value=weight_dtype, description="weights", style=style
+        )
+        self.kv_dtype = widgets.Dropdown(
+            options=["auto", *KV_DTYPES], value=kv_dtype, description="KV dtype", style=style
+        )
+        self.context = widgets.SelectionSlider(
+            options=list(CONTEXTS), value=context_len, description="context", style=style
+        )
+        self.block_size = widgets.Dropdown(
+            options=list(BLOCK_SIZES), value=block_size, description="block size", style=style
+        )
+        self.users = widgets.IntSlider(
+            value=users, min=1, max=512, description="users", style=style
+        )
+        self.summary = widgets.HTML()
+        self.figure = go.FigureWidget(make_subplots(rows=1, cols=2, subplot_titles=PANELS))
+        for name, label in (
+            ("paged", "paged"),
+            ("naive", "naive (max_model_len)"),
+            ("paged_mha", "paged, same model with MHA"),
+        ):
+            self.figure.add_scatter(
+                name=label, mode="lines+markers", line=dict(color=COLORS[name]), row=1, col=1
+            )
+        for label, color in (("weights", "#7f7f7f"), ("activations", "#bcbd22"), ("KV", "#636efa")):
+            self.figure.add_bar(name=label, marker_color=color, row=1, col=2)
+        self.figure.add_scatter(
+            name="usable memory", mode="lines", line=dict(color="black", dash="dash"), row=1, col=2
+        )
+        self.figure.update_xaxes(type="log", title_text="context length (tokens)", row=1, col=1)
+        self.figure.update_yaxes(type="log", title_text="sequences", row=1, col=1)
+        self.figure.update_yaxes(title_text="GiB", row=1, col=2)
+        self.figure.update_layout(height=420, barmode="stack")
+        self.plan = None
+        for control in self.controls():
+            control.observe(lambda _change: self.refresh(), names="value")
+        self.refresh()
+
+    def controls(self) -> list[widgets.Widget]:
+        return [
+            self.model,
+            self.memory,
+            self.weight_dtype,
+            self.kv_dtype,
+            self.context,
+            self.block_size,
+            self.users,
+        ]
+
+    def options(self) -> dict:
+        """`plan` keyword arguments from the widgets (all but context and users)."""
+        return dict(
+            memory=int(self.memory.value * GIB),
+            weight_dtype=self.weight_dtype.value,
+            kv_dtype=None if self.kv_dtype.value == "auto" else self.kv_dtype.value,
+            block_size=self.block_size.value,
+        )
+
+    def refresh(self) -> None:
+        """Recompute the plan and redraw both panels."""
+        shape = ModelShape.from_config(self.model.value)
+        context, users = self.context.value, self.users.value
+        if context > shape.max_position_embeddings:
+            self.summary.value = (
+                f"<b>{context:,} tokens exceed {shape.name}'s context window of "
+                f"{shape.max_position_embeddings:,}</b>: pick a shorter context"
+            )
+            return
+        options = self.options()
+        self.plan = p = plan(shape, context_len=context, users=users, **options)
+        mha = plan(shape.with_mha(), context_len=context, users=users, **options)
+        curve = capacity_curve(shape, **options)
+        with self.figure.batch_update():
+            for trace, column in zip(self.figure.data[:3], ("paged", "naive", "paged_mha")):
+                trace.x = curve["context_len"].tolist()
+                trace.y = [max(v, 0.5) for v in curve[column]]  # 0 drawn at the log axis floor
+            labels = [f"GQA ({p.num_blocks:,} blocks)", "MHA"]
+            kv = [p.users_kv_bytes, mha.users_kv_bytes]
+            for trace, values in zip(
+                self.figure.data[3:6],
+                (
+                    [p.weight_bytes, mha.weight_bytes],
+                    [p.activation_bytes, mha.activation_bytes],
+                    kv,
+                ),
+            ):
+                trace.x, trace.y = labels, [v / GIB for v in values]
+            usable = p.memory_bytes * p.utilization / GIB
+            self.figure.data[6].x, self.figure.data[6].y = labels, [usable, usable]
+            self.figure.layout.title = f"{shape.name}: {users} users x {context:,} tokens " + (
+                "fit" if p.users_fit else "do NOT fit"
+            )
+        self.summary.value = f"<pre>{html.escape(p.summary())}</pre>"
+
+    def widget(self) -> widgets.Widget:
+        controls = self.controls()
+        return widgets.VBox(
+            [
+                widgets.HBox([widgets.VBox(controls[:4]), widgets.VBox(controls[4:])]),
+                self.figure,
+                self.summary,
+            ]
+        )
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget())

@@ -1,0 +1,99 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: -all
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 4 · Choosing whom to preempt
+#
+# An engine that admits requests optimistically (once their *prompt* fits, not their
+# longest possible answer) can run out of KV blocks halfway through a decode step. Then it
+# **preempts** a running request: takes its blocks back, and later recomputes its K/V (or
+# swaps them back in from host memory). Which request should go?
+#
+# kvlab's rule, in `Scheduler._secure_blocks`:
+#
+# 1. the **lowest priority** first: in kvlab a larger `priority` is more important (vLLM's
+#    convention is the reverse: a smaller value goes first);
+# 2. among equal priorities, the **most recently admitted** (the largest `admit_order`): it
+#    has computed the least, so preempting it wastes the least work, and the requests that
+#    were admitted first keep making progress instead of being preempted again and again.
+#
+# `admit_order` counts admissions: a preempted request gets a new, larger one when it is
+# admitted again. Its `arrival_s` (when the request first arrived) never changes.
+#
+# Your task: `choose_victim(running)`. The grader checks crafted cases and then 300 random
+# running sets against the choice of kvlab's real `Scheduler`.
+
+# %%
+from kvlab.labs import check_victim_choice, kvlab_victim, running_seq
+from kvlab.sequence import Sequence
+
+# %% [markdown]
+# ## The exercise
+#
+# Each element of `running` is a kvlab `Sequence` with `request_id`, `priority`,
+# `admit_order`, `arrival_s` and `num_computed` (tokens whose K/V are cached). Return the
+# victim itself; the scheduler removes it from `running`.
+
+
+# %%
+# EXERCISE: fill in every TODO, then run this cell.
+def choose_victim(running: list[Sequence]) -> Sequence:
+    """The running sequence to preempt: lowest priority, then the most recently admitted."""
+    # TODO: return one of the sequences in `running` (leave the list as it is)
+    raise NotImplementedError
+
+
+# %% [markdown]
+# ## Try it
+
+# %%
+running = [
+    running_seq(0, priority=0, admit_order=1, arrival_s=0.0),
+    running_seq(1, priority=1, admit_order=2, arrival_s=0.1),  # an important request
+    running_seq(2, priority=0, admit_order=4, arrival_s=0.2),  # preempted once, back again
+    running_seq(3, priority=0, admit_order=3, arrival_s=0.3),
+]
+print("you preempt request", choose_victim(running).request_id)
+print("kvlab's scheduler preempts request", kvlab_victim(running).request_id)
+
+# %% [markdown]
+# ## Grade it
+#
+# The grader prints one line when every check passes; otherwise the first broken
+# rule, the smallest input that breaks it, and what was expected.
+
+# %%
+result = check_victim_choice(choose_victim)
+
+# %% [markdown]
+# ## What the grader checks
+#
+# That the victim is one of the running sequences and the list is left alone; the priority
+# rule; the most-recently-admitted rule (including a request that arrived first but was
+# re-admitted last); that the choice does not depend on the list's order; and 300 random
+# running sets against kvlab's `Scheduler`, asked to free one block.
+#
+# ## What to try next
+#
+# * vLLM's v1 scheduler, without priorities, preempts the request at the end of its running
+#   list (the one scheduled last); with priority scheduling it takes the largest priority
+#   value, then the latest arrival. Where does using `arrival_s` instead of `admit_order`
+#   choose differently?
+# * Preempting the request with the fewest cached tokens also "wastes the least work". Why
+#   can that starve a long request? Try it in the grader.
+# * Watch preemption happen: an engine with `admission="watermark"` and a small
+#   `kv_budget_tokens` (see `tests/test_scheduler.py`) records every preemption in
+#   `engine.stats()`.

@@ -1,0 +1,106 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: -all
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 2 · The chained block hash
+#
+# With prefix caching, a new request reuses the K/V blocks of an earlier request whose
+# prompt starts the same way. vLLM finds them with a **hash per full block**: block *i*'s
+# key is a hash of
+#
+# * the key of block *i − 1* (the **parent**): K/V at a position depend on *every* earlier
+#   token, so the same 16 tokens after a different beginning must get a different key;
+# * the token ids of block *i*;
+# * a **salt** (tenant, or cache version): requests with different salts must never share
+#   K/V, even for identical prompts (a shared cache leaks timing information across users,
+#   and a new model or system-prompt version must not read stale K/V).
+#
+# A lookup walks the prompt's keys from the first block and stops at the first miss. Only
+# **full** blocks get a key: a partly filled last block will still change.
+#
+# Your task: `block_keys(tokens, block_size, salt)`, the list of keys of the full blocks.
+# The grader checks the properties above with crafted pairs, compares with kvlab's
+# `HashPrefixIndex` on random prompts, then serves random traffic through kvlab's
+# `PagedCache` with your keys in its index.
+
+# %%
+import hashlib  # noqa: F401 (for your hash)
+
+from kvlab.labs import check_block_hash
+
+# %% [markdown]
+# ## The exercise
+#
+# Useful: `hashlib.blake2b(parent, digest_size=16)` starts a digest from the parent's key
+# (`b""` for the first block); `digest.update(data)` adds bytes; `digest.digest()` is the
+# key. `token.to_bytes(8, "little", signed=True)` turns a token id into 8 bytes.
+
+
+# %%
+# SOLUTION (instructor copy): the reference code of kvlab/labs/solutions.py.
+def block_keys(tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """One key per *full* block: key_i = H(key_{i-1}, tokens of block i, salt)."""
+    keys, parent = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        for token in tokens[start : start + block_size]:
+            digest.update(token.to_bytes(8, "little", signed=True))  # fixed width: no ambiguity
+        digest.update(b"salt:" + (salt or "").encode())
+        parent = digest.digest()
+        keys.append(parent)
+    return keys
+
+
+# %% [markdown]
+# ## Try it
+
+# %%
+system = [1, 2, 3, 4, 5, 6, 7, 8]  # a shared system prompt: two blocks of 4
+a = block_keys(system + [10, 11, 12, 13, 14], 4, None)
+b = block_keys(system + [20, 21, 22, 23], 4, None)
+c = block_keys(system + [10, 11, 12, 13], 4, "tenant-b")
+print("keys:", len(a), len(b), len(c))
+print("a and b share:", [x == y for x, y in zip(a, b)])
+print("a and c (another tenant) share:", [x == y for x, y in zip(a, c)])
+
+# %% [markdown]
+# ## Grade it
+#
+# The grader prints one line when every check passes; otherwise the first broken
+# rule, the smallest input that breaks it, and what was expected.
+
+# %%
+result = check_block_hash(block_keys)
+
+# %% [markdown]
+# ## What the grader checks
+#
+# One key per full block; the same prefix always gives the same keys (later tokens change
+# nothing); a block after a different parent gets a different key; no collisions between
+# blocks that naive hashing confuses (reordered tokens, equal sums, `"1"+"23"` vs
+# `"12"+"3"`, ids past 255 or 65,535); different salts never share a key; on random prompts
+# your keys are equal exactly where kvlab's are; and inside `PagedCache` no request ever
+# reads K/V of another prefix or tenant.
+#
+# ## What to try next
+#
+# * Hash with Python's `hash((parent, tuple(block), salt))`. Does it pass? It is fast, but
+#   `hash()` of a `str` changes from one process to the next (`PYTHONHASHSEED`), so a
+#   cache shared by several processes would never hit. vLLM offers SHA-256 for that reason
+#   and because a collision would silently serve one request another's K/V.
+# * vLLM puts the salt into the **first** block's key only. Why is that enough?
+# * Compare with the radix tree of `RadixPrefixIndex` (SGLang's design): it matches token
+#   by token and needs no hash at all.

@@ -1,0 +1,120 @@
+"""The quality harness (perplexity, KL, agreement, K/V error, capacity) and notebook 04's
+figures and widget."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from kvlab import quality, workloads
+from kvlab.model_runner import ModelRunner
+from kvlab.viz.quantization import (
+    CodecExplorer,
+    capacity_figure,
+    channel_magnitude_figure,
+    frontier_figure,
+    layer_histograms,
+)
+
+
+def test_agreement_counts_matching_positions():
+    assert quality.agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
+    assert quality.agreement([[1, 2]], [[1, 2, 3]]) == 2 / 3  # a missing token disagrees
+    assert quality.agreement([], []) == 1.0
+
+
+def test_roundtrip_and_kv_error_on_random_kv():
+    k, v = torch.randn(2, 40, 3, 64), torch.randn(2, 40, 3, 64)
+    k_hat, v_hat = quality.roundtrip(None, k, v, chunk=16)
+    assert torch.equal(k_hat, k) and torch.equal(v_hat, v)
+    int8, int4 = quality.kv_error("int8", k, v), quality.kv_error("int4", k, v)
+    assert 0 < int8["k_mean_err"] < int4["k_mean_err"]
+    assert int8["v_max_err"] <= float(v.abs().max()) / 127
+
+
+@pytest.fixture(scope="module")
+def forcing(model):
+    runner = ModelRunner(model.hf_model)
+    return quality.teacher_forced(runner, quality.heldout_ids(model, 97), ["fp16", "int8"], 32)
+
+
+@pytest.mark.slow
+def test_teacher_forced_scores_every_codec_against_the_baseline(model, forcing):
+    frame = forcing.frame.set_index("codec")
+    assert list(frame.index) == ["baseline", "fp16", "int8"]
+    assert frame.loc["baseline", "kl"] == 0 and frame.loc["baseline", "top1_agreement"] == 1
+    assert 1 < frame.loc["baseline", "ppl"] < 200
+    assert abs(frame.loc["fp16", "ppl_increase_pct"]) < 0.5
+    assert (frame["kl"] >= -1e-9).all()
+    assert forcing.k.shape == forcing.v.shape == (30, 96, 3, 64)
+    # chunking is exact for the baseline: one 96-token chunk scores the same
+    runner = ModelRunner(model.hf_model)
+    whole = quality.teacher_forced(runner, quality.heldout_ids(model, 97), [], chunk=96)
+    assert whole.frame["ppl"].iloc[0] == pytest.approx(frame.loc["baseline", "ppl"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_int8_greedy_tokens_mostly_equal_the_baseline(model, chat_prompts):
+    base = quality.greedy_tokens(model, None, chat_prompts[:4], new_tokens=16)
+    int8 = quality.greedy_tokens(model, "int8", chat_prompts[:4], new_tokens=16)
+    assert quality.agreement(base, int8) >= 0.9
+
+
+@pytest.mark.slow
+def test_smaller_codecs_admit_more_requests_at_one_budget(model):
+    requests = workloads.doc_qa(n=40, long_fraction=0.0)
+    held = {
+        name: quality.capacity(model, name, 128 * 2**20, requests)
+        for name in (None, "fp16", "int8", "kivi2")
+    }
+    assert 1 <= held[None] < held["fp16"] < held["int8"] < held["kivi2"]
+    assert held["int8"] / held["fp16"] >= 1.8
+
+
+@pytest.mark.slow
+def test_codec_report_has_one_row_per_codec(model, chat_prompts, forcing):
+    requests = workloads.doc_qa(n=6, long_fraction=0.0)
+    report = quality.codec_report(
+        model, ["fp16", "int8"], prompts=chat_prompts[:2], new_tokens=4, budget_bytes=128 * 2**20,
+        requests=requests, forcing=forcing,
+    )  # fmt: skip
+    assert list(report["codec"]) == ["baseline", "fp16", "int8"]
+    assert list(report["bytes_per_token"]) == [46080, 23040, 11880]
+    base = report.iloc[0]
+    assert base["greedy_agreement"] == 1 and base["k_max_err"] == 0 and base["capacity_x"] == 1
+    assert report["capacity"].is_monotonic_increasing
+
+
+# --- figures and the widget ------------------------------------------------------------------
+def test_codec_explorer_redraws_when_the_codec_or_layer_changes():
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 40, 2, 32), torch.randn(3, 40, 2, 32)
+    k[..., 3] *= 20
+    explorer = CodecExplorer(k, v, codec="int8")
+    assert len(explorer.figure.data) == 4
+    int8_error = explorer.figure.data[2].x
+    explorer.codec.value = "int4"
+    assert explorer.figure.data[2].x != int8_error  # the K-error histogram was redrawn
+    assert "int4" in explorer.summary.value
+    values = explorer.figure.data[0].x
+    explorer.layer.value = 2
+    assert explorer.figure.data[0].x != values
+    assert sum(explorer.figure.data[0].y) == 40 * 2 * 32  # every value of the layer binned
+
+
+def test_static_figures_draw_from_kv_and_a_report():
+    k, v = torch.randn(2, 20, 2, 8), torch.randn(2, 20, 2, 8)
+    assert len(layer_histograms(k, v).data) == 2
+    assert len(channel_magnitude_figure(k, v, layer=1).data[0].y) == 16
+    report = pd.DataFrame(
+        {
+            "codec": ["baseline", "int8"],
+            "bytes_per_token": [46080, 11880],
+            "ppl_increase_pct": [0.0, 0.1],
+            "greedy_agreement": [1.0, 0.98],
+            "capacity": [4, 15],
+        }
+    )
+    assert list(frontier_figure(report).data[0].x) == [46080, 11880]
+    assert list(capacity_figure(report, 2**27).data[0].y) == [4, 15]
