@@ -140,7 +140,9 @@ def test_explorer_reruns_the_burst_on_every_control(tiny_model):
     explorer.burst.value = 5
     assert rows() == {f"req {r}" for r in range(5)}
     assert explorer.results["requests"] == explorer.results["completed"] == 5
-    explorer.budget.value = explorer.budget.min  # tightest: one request plus a block
+    explorer.budget.value = explorer.budget.min  # tightest: the watermark admits one at a time
+    assert explorer.results["peak_running"] == 1 and explorer.results["preemptions"] == 0
+    explorer.budget.value = 88  # 11 blocks: two are admitted and outgrow the budget
     assert explorer.results["preemptions"] > 0
     assert len(fig.data[2].y) > 0 and len(fig.data[3].y) == 0  # preempted bars, no swapped
     free_before = list(fig.data[4].y)
