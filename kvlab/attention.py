@@ -15,23 +15,24 @@ def pooled_attention(
     """Causal GQA attention of packed queries over each sequence's cached context.
 
     q: (T, heads, head_dim), rows packed sequence by sequence -> (T, heads, head_dim).
-    The new tokens' K/V must already be written to the pool.
+    The new tokens' K/V must already be written to the pool. Runs one
+    scaled_dot_product_attention per group of meta.groups (all decodes together, each
+    prompt alone), so no sequence pays for another's length.
     """
-    batch, q_max = meta.query_valid.shape
-    k, v = pool.gather(layer, meta.context_slots)  # (B, S, kv_heads, head_dim)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    key_pos = torch.arange(k.shape[1], device=q.device)
-
-    padded_q = q.new_zeros(batch, q_max, *q.shape[1:])  # (B, Q, heads, head_dim)
-    padded_q[meta.query_valid] = q
-    # Padded keys (past context_lens) sit right of every real query: causality masks them.
-    causal = key_pos[None, None, :] <= meta.query_pos[:, :, None]  # (B, Q, S)
-    out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2),  # (B, heads, Q, head_dim)
-        k.transpose(1, 2),  # (B, kv_heads, S, head_dim)
-        v.transpose(1, 2),
-        attn_mask=causal[:, None],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)[meta.query_valid]  # (T, heads, head_dim)
+    out = torch.empty_like(q)
+    heads, head_dim = q.shape[1:]
+    for group in meta.groups:
+        k, v = pool.gather(layer, group.slots)  # (G, S, kv_heads, head_dim)
+        count = group.slots.shape[0]
+        grouped_q = q[group.rows].view(count, -1, heads, head_dim)  # (G, Q, heads, head_dim)
+        attended = F.scaled_dot_product_attention(
+            grouped_q.transpose(1, 2),  # (G, heads, Q, head_dim)
+            k.to(q.dtype).transpose(1, 2),  # (G, kv_heads, S, head_dim)
+            v.to(q.dtype).transpose(1, 2),
+            attn_mask=group.mask,
+            is_causal=group.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[group.rows] = attended.transpose(1, 2).reshape(-1, heads, head_dim)
+    return out

@@ -8,6 +8,22 @@ import torch
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences the torch reference attends to in one call, without padding waste.
+
+    Decoding sequences (one new token each) go into groups of similar context length:
+    G sequences, Q = 1, S = the group's longest context (at most 25% padding). Each
+    sequence with several new tokens (a prompt or a prompt chunk) is a group of its own:
+    G = 1, Q = its new tokens, S = its context. Padding a 1,800-token prompt and 60
+    decodes to one (B, Q, S) batch would cost 60 x 1,800 rows.
+    """
+
+    rows: torch.Tensor | slice  # the group's G * Q rows in T, sequence by sequence
+    slots: torch.Tensor  # (G, S) pool slots of the context (padded as context_slots)
+    mask: torch.Tensor | None  # (G, 1, Q, S) True = may attend; None = plain causal, Q == S
+
+
+@dataclass
 class AttentionMetadata:
     """Where each packed token sits and where its sequence's K/V live in the pool.
 
@@ -23,6 +39,7 @@ class AttentionMetadata:
     query_pos: torch.Tensor  # (B, Q) absolute position of each query row, -1 = padding
     query_valid: torch.Tensor  # (B, Q) True where the row is a real token
     last_token_index: torch.Tensor  # (B,) row in T of each sequence's last new token
+    groups: list[AttentionGroup]  # how the reference attention batches them (see below)
 
     @property
     def num_seqs(self) -> int:
@@ -63,6 +80,7 @@ def build_attention_metadata(
     context_slots = torch.where(pos[None, :] < ctx[:, None], context_slots, context_slots[:, :1])
 
     slot_mapping = context_slots.gather(1, query_pos.clamp(min=0))[query_valid]
+    groups = _groups(query_lens, ctx.tolist(), context_slots, device)
     return AttentionMetadata(
         positions=query_pos[query_valid].to(device),
         slot_mapping=slot_mapping.to(device),
@@ -71,4 +89,64 @@ def build_attention_metadata(
         query_pos=query_pos.to(device),
         query_valid=query_valid.to(device),
         last_token_index=(qlen.cumsum(0) - 1).to(device),
+        groups=groups,
     )
+
+
+def _groups(
+    query_lens: list[int], context_lens: list[int], context_slots: torch.Tensor, device
+) -> list[AttentionGroup]:
+    """Decoding sequences batched by similar context length, one group per prompt."""
+    first_rows = [0]
+    for n in query_lens:
+        first_rows.append(first_rows[-1] + n)
+    decodes = [b for b, n in enumerate(query_lens) if n == 1]
+    groups = []
+    for batch in _similar_lengths(decodes, context_lens):
+        width = context_lens[batch[0]]  # the longest of the batch
+        lens = torch.tensor([context_lens[b] for b in batch])
+        visible = torch.arange(width)[None, :] < lens[:, None]  # (G, S)
+        groups.append(
+            AttentionGroup(
+                rows=torch.tensor([first_rows[b] for b in batch], device=device),
+                slots=context_slots[batch, :width].to(device),
+                mask=visible[:, None, None, :].to(device),  # (G, 1, 1, S)
+            )
+        )
+    for b, n in enumerate(query_lens):
+        if n == 1:
+            continue
+        width = context_lens[b]
+        mask = None  # a whole prompt: plain causal attention
+        if n < width:  # new tokens after cached ones (prefix hit, later chunk)
+            query_pos = torch.arange(width - n, width)
+            mask = (torch.arange(width)[None, :] <= query_pos[:, None])[None, None].to(device)
+        groups.append(
+            AttentionGroup(
+                rows=slice(first_rows[b], first_rows[b] + n),
+                slots=context_slots[b : b + 1, :width].to(device),
+                mask=mask,
+            )
+        )
+    return groups
+
+
+def _similar_lengths(
+    seqs: list[int], context_lens: list[int], max_padding: float = 0.25
+) -> list[list[int]]:
+    """Split seqs, longest first, into runs whose padded size (count x longest) exceeds
+    their real size (sum of lengths) by at most max_padding: decode attention reads
+    every padded slot, and on CPU it is bound by those reads."""
+    runs: list[list[int]] = []
+    total = 0
+    for b in sorted(seqs, key=lambda b: -context_lens[b]):
+        if runs:
+            run = runs[-1]
+            padded = (len(run) + 1) * context_lens[run[0]]
+            if padded <= (1 + max_padding) * (total + context_lens[b]):
+                run.append(b)
+                total += context_lens[b]
+                continue
+        runs.append([b])
+        total = context_lens[b]
+    return runs
