@@ -6,11 +6,13 @@
   distributions, and how often the top-1 token matches the baseline's. The baseline (the
   model's dtype) runs in lockstep, so only one chunk's logits are ever held.
 - `roundtrip` / `kv_error`: the codec alone on the baseline's real K/V (write, gather).
-- `greedy_tokens` / `agreement`: the engine (paged cache) answering chat prompts
-  greedily with and without the codec; agreement is the fraction of positions where the
-  tokens match (strict: after a first difference the rest usually differs too, and a
-  token one answer has and the other lacks counts as a difference). Teacher-forced top-1
-  agreement is the same question asked of every position with the same context.
+- `stepwise_agreement` (the report's greedy_agreement): along the baseline's greedy
+  answers to chat prompts, how often the codec picks the same greedy token given the
+  same history; every step reads its K/V back through the codec, as decode does.
+- `greedy_tokens` / `agreement` (free_run_agreement): the engine (paged cache) answering
+  chat prompts greedily with and without the codec; the fraction of positions where the
+  tokens match. Strict: after a first difference the rest usually differs too, and a
+  token one answer has and the other lacks counts as a difference.
 - `capacity`: how many requests of a workload the paged cache admits at once from a
   full queue at one byte budget (worst-case reservation of prompt + max_new_tokens, first
   come first served, as the scheduler admits). It is counted, not run: no forward pass.
@@ -65,11 +67,16 @@ def teacher_forced(
     ids: Sequence[int],
     kv_dtypes: Sequence[str] = CODECS,
     chunk: int = 128,
+    scored_from: int = 0,
 ) -> TeacherForcing:
-    """Score ids[1:] given ids[:-1], in chunks, for the baseline and every codec."""
+    """Score ids[1:] given ids[:-1], in chunks, for the baseline and every codec.
+
+    Only predictions made at positions >= scored_from count (the earlier tokens are
+    context, e.g. a prompt before its answer).
+    """
     n = len(ids) - 1  # tokens fed; each predicts the next
-    if n < 1:
-        raise ValueError(f"need at least 2 token ids to score, got {len(ids)}")
+    if not 0 <= scored_from < n:
+        raise ValueError(f"need scored_from={scored_from} in [0, {n}) for {len(ids)} token ids")
     slots = _slots_for(n)
     names = [None, *kv_dtypes]
     pools = {
@@ -80,10 +87,12 @@ def teacher_forced(
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         meta = build_attention_metadata([start], [end - start], [[0]], slots, runner.device)
-        target = tokens[start + 1 : end + 1, None]
+        skip = max(scored_from - start, 0)  # rows of this chunk that are context only
+        target = tokens[start + 1 + skip : end + 1, None]
         base = None
         for name, pool in pools.items():
-            logp = F.log_softmax(runner.forward(tokens[start:end], meta, pool, all_logits=True), -1)
+            logits = runner.forward(tokens[start:end], meta, pool, all_logits=True)
+            logp = F.log_softmax(logits[skip:], -1)
             base = logp if name is None else base
             totals[name] += torch.stack(
                 [
@@ -94,7 +103,7 @@ def teacher_forced(
             ).double()
     rows = []
     for name in names:
-        nll, kl, top1 = (totals[name] / n).tolist()
+        nll, kl, top1 = (totals[name] / (n - scored_from)).tolist()
         rows.append(
             {
                 "codec": label(name),
@@ -152,6 +161,35 @@ def greedy_tokens(
     )
     params = SamplingParams(max_new_tokens=new_tokens)
     return [out.token_ids for out in Engine(model, config).generate(list(prompts), params)]
+
+
+def stepwise_agreement(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]],
+    kv_dtypes: Sequence[str] = CODECS,
+) -> dict[str, float]:
+    """Per codec: how often its greedy choice equals the baseline's at each step of the
+    baseline's greedy answers, every step given the same history (the answer so far).
+
+    Each prompt + answer runs through the codec's pool like a prefill and a run of decode
+    steps (every token attends to K/V read back through the codec); the baseline runs in
+    lockstep. Unlike `agreement` of free-running answers, one near-tie costs one token,
+    not the rest of the answer. Answer-weighted over all prompts.
+    """
+    hits = dict.fromkeys([BASELINE, *map(label, kv_dtypes)], 0.0)
+    total = 0
+    for prompt, answer in zip(prompts, answers):
+        if not answer:
+            continue
+        ids = [*prompt, *answer]
+        frame = teacher_forced(runner, ids, kv_dtypes, scored_from=len(prompt) - 1).frame
+        for codec, top1 in zip(frame["codec"], frame["top1_agreement"]):
+            hits[codec] += top1 * len(answer)
+        total += len(answer)
+    if not total:
+        raise ValueError("no answer tokens to compare")
+    return {codec: value / total for codec, value in hits.items()}
 
 
 def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
@@ -240,7 +278,7 @@ def codec_report(
     requests: Sequence[workloads.Request] | None = None,
     forcing: TeacherForcing | None = None,
 ) -> pd.DataFrame:
-    """One row per codec (baseline first): bytes, perplexity, KL, agreement, K/V error, capacity.
+    """One row per codec (baseline first): bytes, perplexity, KL, agreements, K/V error, capacity.
 
     Defaults: the first `text_tokens` of the held-out text; the first 8 chat prompts with
     `new_tokens` greedy tokens; 64 doc-QA requests with short answers at `budget_bytes`.
@@ -256,6 +294,8 @@ def codec_report(
     encoded = [(engine.encode(r.prompt), r.max_new_tokens) for r in requests]
     names = [None, *kv_dtypes]
     reference = greedy_tokens(model, None, prompts, new_tokens)
+    prompt_ids = [engine.encode(p) for p in prompts]
+    stepwise = stepwise_agreement(runner, prompt_ids, reference, kv_dtypes)
     rows = []
     for name in names:
         cls = codec_class(name)
@@ -265,7 +305,8 @@ def codec_report(
                 "codec": label(name),
                 "describe": cls.describe,
                 "bytes_per_token": cls.token_bytes(runner.kv_spec, runner.dtype),
-                "greedy_agreement": agreement(reference, tokens),
+                "greedy_agreement": stepwise[label(name)],
+                "free_run_agreement": agreement(reference, tokens),
                 **kv_error(name, forcing.k, forcing.v),
                 "capacity": capacity(model, name, budget_bytes, encoded),
             }
@@ -273,6 +314,6 @@ def codec_report(
     frame = forcing.frame.merge(pd.DataFrame(rows), on="codec")
     frame["capacity_x"] = frame["capacity"] / frame["capacity"].iloc[0]
     columns = ["codec", "describe", "bytes_per_token", "ppl", "ppl_increase_pct", "kl",
-               "top1_agreement", "greedy_agreement", "k_max_err", "k_mean_err", "v_max_err",
-               "v_mean_err", "capacity", "capacity_x"]  # fmt: skip
+               "top1_agreement", "greedy_agreement", "free_run_agreement", "k_max_err",
+               "k_mean_err", "v_max_err", "v_mean_err", "capacity", "capacity_x"]  # fmt: skip
     return frame[columns]
