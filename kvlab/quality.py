@@ -273,21 +273,24 @@ def codec_report(
     text_tokens: int = 1024,
     chunk: int = 128,
     prompts: Sequence[str] | None = None,
-    new_tokens: int = 24,
+    new_tokens: int = 48,
+    free_run: int = 16,
     budget_bytes: int = 256 * 2**20,
     requests: Sequence[workloads.Request] | None = None,
     forcing: TeacherForcing | None = None,
 ) -> pd.DataFrame:
     """One row per codec (baseline first): bytes, perplexity, KL, agreements, K/V error, capacity.
 
-    Defaults: the first `text_tokens` of the held-out text; the first 8 chat prompts with
-    `new_tokens` greedy tokens; 64 doc-QA requests with short answers at `budget_bytes`.
+    Defaults: the first `text_tokens` of the held-out text; all 64 chat prompts
+    (kvlab.texts) answered with up to `new_tokens` greedy tokens; 64 doc-QA requests with
+    short answers at `budget_bytes`. free_run_agreement (one engine run per codec, the
+    costly part) uses the first `free_run` prompts.
     `forcing` reuses a teacher_forced() result computed on the same codecs.
     """
     runner = ModelRunner(model.hf_model)
     if forcing is None:
         forcing = teacher_forced(runner, heldout_ids(model, text_tokens), kv_dtypes, chunk)
-    prompts = list(prompts) if prompts is not None else texts.chat_prompts()[:8]
+    prompts = list(prompts) if prompts is not None else texts.chat_prompts()
     if requests is None:
         requests = workloads.doc_qa(n=64, long_fraction=0.0)
     engine = Engine(model, EngineConfig(cache="paged", kv_budget_tokens=16))
@@ -299,14 +302,15 @@ def codec_report(
     rows = []
     for name in names:
         cls = codec_class(name)
-        tokens = reference if name is None else greedy_tokens(model, name, prompts, new_tokens)
+        free = prompts[:free_run]
+        tokens = reference if name is None else greedy_tokens(model, name, free, new_tokens)
         rows.append(
             {
                 "codec": label(name),
                 "describe": cls.describe,
                 "bytes_per_token": cls.token_bytes(runner.kv_spec, runner.dtype),
                 "greedy_agreement": stepwise[label(name)],
-                "free_run_agreement": agreement(reference, tokens),
+                "free_run_agreement": agreement(reference[:free_run], tokens[:free_run]),
                 **kv_error(name, forcing.k, forcing.v),
                 "capacity": capacity(model, name, budget_bytes, encoded),
             }

@@ -93,7 +93,8 @@ def test_smaller_codecs_admit_more_requests_at_one_budget(model):
 def test_codec_report_has_one_row_per_codec(model, chat_prompts, forcing):
     requests = workloads.doc_qa(n=6, long_fraction=0.0)
     report = quality.codec_report(
-        model, ["fp16", "int8"], prompts=chat_prompts[:2], new_tokens=4, budget_bytes=128 * 2**20,
+        model, ["fp16", "int8"], prompts=chat_prompts[:2], new_tokens=4, free_run=1,
+        budget_bytes=128 * 2**20,
         requests=requests, forcing=forcing,
     )  # fmt: skip
     assert list(report["codec"]) == ["baseline", "fp16", "int8"]
