@@ -3,7 +3,8 @@
 Embedding -> N x [RMSNorm -> QKV (+bias for Qwen2) -> RoPE -> GQA attention over the
 pool -> O proj -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head
 (tied to the embedding when the model ties them). Weights are the transformers model's
-own tensors; Q/K/V and gate/up projections are fused into one matmul each.
+own tensors; Q/K/V and gate/up projections are fused into one matmul each (fused once
+per model and shared by every runner: an engine costs no weight copy).
 
 All tokens of a step, from every running sequence, are packed into one (T, hidden)
 matrix, so each linear layer runs once per step for the whole batch.
@@ -11,6 +12,7 @@ matrix, so each linear layer runs once per step for the whole batch.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ from kvlab.attention_metadata import AttentionMetadata
 from kvlab.cache.pool import KVPool, KVSpec
 
 AttentionFn = Callable[[torch.Tensor, int, KVPool, AttentionMetadata, float], torch.Tensor]
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf model -> LayerWeights
 
 
 @dataclass
@@ -69,7 +72,10 @@ class ModelRunner:
         # RoPE: inv_freq[i] = theta^(-2i/head_dim), already adjusted by any rope scaling.
         self.inv_freq = base.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
-        self.layers = [self._layer_weights(layer) for layer in base.layers]
+        fused = _FUSED.get(hf_model)
+        if fused is None or fused[0].qkv.device != self.embed.device:  # first, or moved
+            fused = _FUSED[hf_model] = [self._layer_weights(layer) for layer in base.layers]
+        self.layers = fused
         self.device, self.dtype = self.embed.device, self.embed.dtype
 
     @staticmethod
