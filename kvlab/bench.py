@@ -8,7 +8,8 @@ Every system gets the same token-id prompts, greedy decoding and each request's 
 max_new_tokens, with EOS ignored so all produce the same number of tokens. Systems run
 in one process, one after another; with `rounds` > 1 the order alternates (forward,
 then reversed) and each system's fastest round is kept (this machine is shared: the
-fastest round is the least disturbed). A tiny untimed warm-up precedes the first round.
+fastest round is the least disturbed; the saved result also gives median_ratios, from
+each system's median round). A tiny untimed warm-up precedes the first round.
 
 Wall time includes each system's set-up: kvlab's Engine construction and
 transformers' continuous-batching manager start-up and shut-down.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -79,6 +81,17 @@ class BenchResult:
         theirs = [s for s in self.systems.values() if not is_kvlab(s.name)]
         return {f"{a.name}/{b.name}": round(a.tok_s / b.tok_s, 3) for a in ours for b in theirs}
 
+    def median_ratios(self) -> dict[str, float]:
+        """As ratios(), from each system's median round instead of its fastest (with
+        several rounds, the other fair summary of a noisy machine)."""
+
+        def rate(s: SystemResult) -> float:
+            return s.output_tokens / statistics.median(s.walls_s or [s.wall_s])
+
+        ours = [s for s in self.systems.values() if is_kvlab(s.name)]
+        theirs = [s for s in self.systems.values() if not is_kvlab(s.name)]
+        return {f"{a.name}/{b.name}": round(rate(a) / rate(b), 3) for a in ours for b in theirs}
+
     def to_json(self) -> dict:
         """What `kvlab bench --json` prints."""
         systems = {
@@ -101,7 +114,13 @@ class BenchResult:
             }
             for name, s in self.systems.items()
         }
-        return {**self.to_json(), "workload": self.workload, "details": details, "meta": self.meta}
+        return {
+            **self.to_json(),
+            "median_ratios": self.median_ratios(),
+            "workload": self.workload,
+            "details": details,
+            "meta": self.meta,
+        }
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")

@@ -83,3 +83,16 @@ def test_bench_cli_json(tmp_path, capsys):
 def test_bench_rejects_unknown_peers(capsys):
     assert main(["bench", "--workload", "uniform-chat", "--peers", "vllm", "--quiet"]) == 2
     assert "unknown peer(s) ['vllm']" in capsys.readouterr().err
+
+
+def test_median_ratios_summarise_every_round():
+    from kvlab.bench import SystemResult
+
+    systems = {
+        "kvlab": SystemResult("kvlab", 100, 9.0, walls_s=[9.0, 12.0, 10.0]),
+        "hf-generate": SystemResult("hf-generate", 100, 8.0, walls_s=[8.0, 15.0, 12.0]),
+    }
+    result = BenchResult("w", systems)
+    assert result.ratios() == {"kvlab/hf-generate": round(8.0 / 9.0, 3)}  # fastest rounds
+    assert result.median_ratios() == {"kvlab/hf-generate": 1.2}  # medians 10 and 12
+    assert result.to_dict()["median_ratios"] == {"kvlab/hf-generate": 1.2}
