@@ -48,7 +48,7 @@ WORKLOAD_OPTIONS = {
     "uniform-chat": {"max_new_tokens": 16},
 }
 PANELS = (
-    "KV memory: reserved (solid) vs live (dotted)",
+    "KV memory: reserved vs live (dotted)",
     "throughput (grey: saved bench)",
     "latency",
     "peak concurrent sequences",
@@ -115,7 +115,9 @@ class Dashboard:
                 vertical_spacing=0.14,
             )
         )
-        self.figure.update_layout(height=720, barmode="group", legend=dict(font=dict(size=10)))
+        self.figure.update_layout(
+            height=720, width=1000, barmode="group", legend=dict(font=dict(size=10))
+        )
         if initial is not None:
             self.draw(initial)
 
