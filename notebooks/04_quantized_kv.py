@@ -139,11 +139,12 @@ CodecExplorer(forcing.k, forcing.v, codec="int4", layer=layer)
 # `quality.codec_report` adds to the teacher-forced scores:
 #
 # * **greedy agreement**: the paged engine answers all 64 of kvlab's chat prompts
-#   greedily (to EOS, at most 48 tokens: about 2,800 answer tokens) without a codec; then, at every step of those answers, does the
-#   codec pick the same greedy token given the same history? Each step reads its K/V back
-#   through the codec, as a decode step does. `free_run_agreement` lets each codec answer
-#   the first 16 prompts on its own instead: it is strict, since after a first difference the rest of the
-#   answer usually differs too, so one near-tie between two tokens costs a whole answer;
+#   greedily (to EOS, at most 48 tokens: about 2,800 answer tokens) without a codec;
+#   then, at every step of those answers, does the codec pick the same greedy token given
+#   the same history? Each step reads its K/V back through the codec, as a decode step
+#   does. `free_run_agreement` lets each codec answer the first 16 prompts on its own
+#   instead: it is strict, since after a first difference the rest of the answer usually
+#   differs too, so one near-tie between two tokens costs a whole answer;
 # * **K/V error**: the codec alone, on the baseline's real K/V;
 # * **capacity**: how many of 128 doc-QA requests (a ~300-token preamble, a document
 #   and a question; 8-24 answer tokens) the paged cache admits at once from a full
