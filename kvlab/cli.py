@@ -135,6 +135,24 @@ def _load_workload(args: argparse.Namespace):
         raise ValueError(f"workload {args.workload!r}: {err}") from None
 
 
+def _split(names: str) -> list[str]:
+    """Comma-separated names, blanks dropped: 'a, b,,c' -> ['a', 'b', 'c']."""
+    return [n.strip() for n in names.split(",") if n.strip()]
+
+
+def _model_and_budget(args: argparse.Namespace, configs: list[str]):
+    """Check the config names (a bad one fails before the model loads), then load the
+    model and read --budget (None: the command's default)."""
+    import kvlab
+    from kvlab.compare import model_bytes_per_token, parse_budget, parse_config
+
+    for name in configs:
+        parse_config(name)
+    model = kvlab.load_model(args.model, device=args.device, progress=not args.quiet)
+    budget = parse_budget(args.budget, model_bytes_per_token(model)) if args.budget else None
+    return model, budget
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import kvlab
 
@@ -172,15 +190,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    import kvlab
-    from kvlab.compare import compare, model_bytes_per_token, parse_budget, parse_config
+    from kvlab.compare import compare
 
     requests = _load_workload(args)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for name in configs:
-        parse_config(name)  # a bad config name fails before the model loads
-    model = kvlab.load_model(args.model, device=args.device, progress=not args.quiet)
-    budget = parse_budget(args.budget, model_bytes_per_token(model)) if args.budget else None
+    configs = _split(args.configs)
+    model, budget = _model_and_budget(args, configs)
     result = compare(
         model,
         requests,
@@ -207,21 +221,15 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import kvlab
     from kvlab.bench import PEERS
     from kvlab.bench import run_bench as bench
-    from kvlab.compare import model_bytes_per_token, parse_budget, parse_config
 
     requests = _load_workload(args)
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    peers, configs = _split(args.peers), _split(args.configs)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; choose from {PEERS}")
-    for name in configs:
-        parse_config(name)  # a bad config name fails before the model loads
-    model = kvlab.load_model(args.model, device=args.device, progress=not args.quiet)
-    budget = parse_budget(args.budget, model_bytes_per_token(model)) if args.budget else None
+    model, budget = _model_and_budget(args, configs)
     result = bench(
         model,
         requests,
