@@ -258,28 +258,15 @@ def test_adapter_leaves_prefill_and_other_codecs_to_torch():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_engine_decodes_the_same_tokens_through_the_kernels(model, kv_dtype):
+def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_dtype):
     """A tiny random Llama: the engine's greedy tokens with Triton decode (interpreted)
     and Triton KV writes are the torch path's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        vocab_size=49152,
-    )
-    tiny = kvlab.LoadedModel(LlamaForCausalLM(config).eval(), model.tokenizer, "tiny", 0.0)
     prompts = [[1, 520, 9531, 198, 4093], [1, 2683, 359, 253, 5356, 5646, 11173]]
     params = kvlab.SamplingParams(max_new_tokens=5, ignore_eos=True)
     outputs = {}
     for path in ("torch", "kernels"):
         engine = kvlab.Engine(
-            tiny,
+            tiny_model,
             kvlab.EngineConfig(cache="paged", block_size=4, kv_budget_tokens=64, kv_dtype=kv_dtype),
         )
         if path == "kernels":
