@@ -114,6 +114,8 @@ class Engine:
     ) -> Sequence:
         """Validate a request and build its Sequence, without queueing it."""
         params = params or SamplingParams()
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"salt={salt!r} must be a string or None (a cache namespace)")
         ids = self.encode(prompt, chat)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -122,6 +124,11 @@ class Engine:
             )
         if params.n > 1 and self.config.cache != "paged":
             raise ValueError(f"SamplingParams.n={params.n} > 1 needs EngineConfig(cache='paged')")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.n={params.n} samples run at once, more than "
+                f"EngineConfig.max_num_seqs={self.config.max_num_seqs}"
+            )
         seq = self._new_sequence(ids, params, params.seed)
         seq.arrival_s = self.clock() if arrival_s is None else arrival_s
         seq.salt, seq.priority = salt, priority
@@ -168,11 +175,9 @@ class Engine:
             self._wait_for_arrival()
             return []
         started = time.perf_counter()
-        # Sequences starting their prefill now (for prefix-hit accounting).
-        admitted = [s for s in batch.seqs if s.num_computed == s.prefix_hit_tokens]
         logits = self._forward(batch)
         finished = self._advance(batch, logits)
-        self._record(batch, admitted, time.perf_counter() - started)
+        self._record(batch, time.perf_counter() - started)
         return finished
 
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -274,7 +279,7 @@ class Engine:
         if upcoming is not None and not (self.scheduler.running or self.scheduler.swapped):
             time.sleep(max(0.0, min(upcoming - self.clock(), 1.0)))
 
-    def _record(self, batch: Batch, admitted: list[Sequence], step_s: float) -> None:
+    def _record(self, batch: Batch, step_s: float) -> None:
         memory = self.cache.memory()
         self._steps += 1
         self.telemetry.record(
@@ -290,10 +295,10 @@ class Engine:
                 preemptions=self.scheduler.preemptions,
                 swapped_bytes=self.scheduler.swapped_bytes,
                 recomputed_tokens=self.scheduler.recomputed_tokens,
-                blocks_used=self.cache.num_blocks - self.cache.num_free_blocks(),
-                blocks_free=self.cache.num_free_blocks(),
-                prefix_query_tokens=sum(len(s.prompt_ids) for s in admitted),
-                prefix_hit_tokens=sum(s.prefix_hit_tokens for s in admitted),
+                blocks_used=self.cache.num_blocks - self.cache.num_available,
+                blocks_free=self.cache.num_available,
+                prefix_query_tokens=sum(len(s.prompt_ids) for s in batch.admitted),
+                prefix_hit_tokens=sum(s.prefix_hit_tokens for s in batch.admitted),
                 reserved_bytes=memory.reserved_bytes,
                 live_bytes=memory.live_bytes,
                 waste_bytes=memory.waste_bytes,

@@ -2,45 +2,58 @@
 
 The scheduler owns three queues: `waiting` (new and recompute-preempted requests, by
 priority then arrival), `running` (their KV is in the cache) and `swapped` (their KV sits
-in host memory). Each step it builds one batch within the token budget:
+in host memory). Each step it builds one batch within the token budget, and schedules
+every sequence at most once:
 
 - without chunked prefill, a step is either a prefill (whole prompts of newly admitted
-  requests) or a decode (one token for every running sequence);
+  requests) or a decode (one token for every running sequence, within the budget);
 - with chunked prefill, a step mixes decodes and prompt chunks, in the configured order
-  (decode-first keeps running streams flowing while a long prompt arrives).
+  (decode-first keeps running streams flowing while a long prompt arrives). The decodes
+  are the sequences that were decoding when the step began: a request admitted in this
+  step is prefilled, never also decoded.
 
 Before a batch runs, every sequence in it gets the blocks it needs. When the free list
 runs dry (watermark admission), a victim is preempted: the running request of lowest
 priority, then the most recently admitted. It is recomputed or swapped back later and
-continues exactly where it stopped. Admission is head-of-line: nobody jumps the queue.
+continues exactly where it stopped. Swapped requests come back before anyone new is
+admitted, and admission is head-of-line: nobody jumps the queue.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlab.cache.base import KVCache
 from kvlab.config import EngineConfig
 from kvlab.sequence import Sequence, SequenceStatus
+
+Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
 
 
 @dataclass
 class Batch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: a prompt (chunk), or 1 in decode
+    phase: str = ""  # "prefill" | "decode" | "mixed", fixed when the batch is built
+    admitted: list[Sequence] = field(default_factory=list)  # started their prompt this step
+
+    def __post_init__(self) -> None:
+        if not self.phase:
+            decode = [is_decode(s, n) for s, n in self]
+            self.phase = "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    @property
-    def phase(self) -> str:
-        decode = [bool(s.output_ids) and n == 1 == s.num_pending for s, n in self]
-        return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
-
     def __iter__(self):
         return iter(zip(self.seqs, self.num_new_tokens))
+
+
+def is_decode(seq: Sequence, num_new: int) -> bool:
+    """One new token after the sequence's own last sampled one (not a prompt token)."""
+    return num_new == 1 == seq.num_pending and bool(seq.output_ids)
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,22 @@ class Event:
 
 def queue_key(seq: Sequence) -> tuple:
     return (-seq.priority, seq.arrival_s, seq.request_id)  # higher priority first
+
+
+def victim_key(seq: Sequence) -> tuple:
+    """The running sequence with the largest key is preempted first: lowest priority, then
+    the most recently admitted (so the oldest keeps progressing)."""
+    return (-seq.priority, seq.admit_order)
+
+
+def choose_victim(running: list[Sequence]) -> Sequence:
+    """The preemption victim among `running` (see `victim_key`)."""
+    return max(running, key=victim_key)
+
+
+def seats(seq: Sequence) -> int:
+    """Running slots a request takes once admitted: all n samples of an unforked one."""
+    return seq.params.n if seq.parent_id is None and seq.first_token_s is None else 1
 
 
 class Scheduler:
@@ -75,7 +104,9 @@ class Scheduler:
         self.events.append(Event(seq.arrival_s, seq.request_id, "waiting"))
 
     def adopt(self, seq: Sequence) -> None:
-        """A sequence the cache admitted outside the queue (an n > 1 fork) joins `running`."""
+        """A sequence the cache admitted outside the queue (an n > 1 fork) joins `running`.
+
+        Its seat was counted when its parent was admitted (`seats`)."""
         seq.status = SequenceStatus.RUNNING
         seq.admit_order = self._next_admission()
         self.running.append(seq)
@@ -99,69 +130,96 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.events.append(Event(self._now if now is None else now, seq.request_id, state))
-        if not self.running and not self.swapped:
-            self.batch_open = True
 
     # --- the step's batch ----------------------------------------------------------
     def schedule(self, now: float) -> Batch | None:
         """The next step's batch (its blocks already secured), or None if nothing can run."""
         self._now = now
-        admitting = self.config.batching == "continuous" or self.batch_open
-        if admitting:
-            self._swap_in()
+        if not self.running and not self.swapped:
+            self.batch_open = True  # static batching: the previous batch is done
+        self._swap_in()  # swapped requests belong to the batch that runs
+        admitting = (self.config.batching == "continuous" or self.batch_open) and not (self.swapped)
         budget = self.config.max_num_batched_tokens
+        decoding = [s for s in self._by_priority(self.running) if s.num_pending == 1]
+        admitted: list[Sequence] = []
         if not self.config.chunked_prefill:
-            prefill = self._admit(now, budget, whole=True) if admitting else []
-            rows = prefill or [(s, s.num_pending) for s in self._by_priority(self.running)]
+            rows = self._prefills(now, budget, admitting, admitted, whole=True)
+            rows = rows or self._decodes(decoding, budget)
         elif self.config.schedule_order == "decode-first":
-            rows = self._decodes(budget)
-            rows += self._prefills(now, budget - len(rows), admitting)
+            rows = self._decodes(decoding, budget)
+            rows += self._prefills(now, budget - len(rows), admitting, admitted)
         else:
-            rows = self._prefills(now, budget, admitting)
-            rows += self._decodes(budget - sum(n for _, n in rows))
+            rows = self._prefills(now, budget, admitting, admitted)
+            rows += self._decodes(decoding, budget - sum(n for _, n in rows))
         rows = self._secure_blocks(rows)
         if not rows:
             return None
         batch = Batch([s for s, _ in rows], [n for _, n in rows])
+        batch.admitted = [s for s in admitted if s in batch.seqs]
         if batch.phase != "prefill":
             self.batch_open = False
         return batch
 
     def _by_priority(self, seqs: list[Sequence]) -> list[Sequence]:
-        return sorted(seqs, key=lambda s: (-s.priority, s.admit_order))
+        return sorted(seqs, key=victim_key)
 
-    def _decodes(self, budget: int) -> list[tuple[Sequence, int]]:
-        ready = [s for s in self._by_priority(self.running) if s.num_pending == 1]
-        return [(s, 1) for s in ready[: max(budget, 0)]]
+    @staticmethod
+    def _decodes(decoding: list[Sequence], budget: int) -> list[Row]:
+        return [(s, 1) for s in decoding[: max(budget, 0)]]
 
-    def _prefills(self, now: float, budget: int, admitting: bool) -> list[tuple[Sequence, int]]:
-        rows = []
-        for seq in self._by_priority(self.running):  # prompts already part-way in
-            if seq.num_pending > 1 and budget > 0:
-                rows.append((seq, min(seq.num_pending, budget)))
-                budget -= rows[-1][1]
-        return rows + (self._admit(now, budget, whole=False) if admitting else [])
+    def _prefills(
+        self,
+        now: float,
+        budget: int,
+        admitting: bool,
+        admitted: list[Sequence],
+        whole: bool = False,
+    ) -> list[Row]:
+        """Prompt work: running prompts part-way in first, then new admissions. `whole`
+        (no chunked prefill): each prompt in one piece; the first may exceed the budget."""
+        rows: list[Row] = []
+        for seq in self._by_priority(self.running):
+            if seq.num_pending <= 1:
+                continue
+            n = seq.num_pending if whole else min(seq.num_pending, budget)
+            if budget <= 0 or (whole and rows and n > budget):
+                break
+            rows.append((seq, n))
+            budget -= n
+        if admitting:
+            rows += self._admit(now, budget, admitted, whole, must_fit=bool(rows))
+        return rows
 
-    def _admit(self, now: float, budget: int, whole: bool) -> list[tuple[Sequence, int]]:
-        """Admit from the head of the queue while memory, seats and the budget allow."""
-        rows: list[tuple[Sequence, int]] = []
+    def _admit(
+        self, now: float, budget: int, admitted: list[Sequence], whole: bool, must_fit: bool
+    ) -> list[Row]:
+        """Admit from the head of the queue while memory, seats and the budget allow.
+
+        Whole prompts: the first may exceed the budget unless `must_fit` (it then runs
+        alone); later ones wait for a step of their own."""
+        rows: list[Row] = []
         for seq in [s for s in self.waiting if s.arrival_s <= now]:
-            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+            if self._seats_taken() + seats(seq) > self.config.max_num_seqs or budget <= 0:
                 break
-            if not self.cache.can_admit(seq):
+            alone = not self.running
+            if not self.cache.can_admit(seq, alone):
                 break
-            if whole and rows and seq.num_pending > budget:
-                break  # whole prompts: a long one waits for a step of its own
+            if whole and (rows or must_fit) and seq.num_pending > budget:
+                break
             self.waiting.remove(seq)
-            self.cache.admit(seq)
+            self.cache.admit(seq, alone)
             seq.status = SequenceStatus.RUNNING
             seq.admit_order = self._next_admission()
             self._resume(seq)
             self.running.append(seq)
+            admitted.append(seq)
             chunk = seq.num_pending if whole else min(seq.num_pending, budget)
             rows.append((seq, chunk))
             budget -= chunk
         return rows
+
+    def _seats_taken(self) -> int:
+        return sum(seats(s) for s in self.running)
 
     def _next_admission(self) -> int:
         self._admissions += 1
@@ -174,16 +232,14 @@ class Scheduler:
         self.events.append(Event(self._now, seq.request_id, "running"))
 
     # --- memory ----------------------------------------------------------------------
-    def _secure_blocks(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def _secure_blocks(self, rows: list[Row]) -> list[Row]:
         """Give every row the blocks it needs, preempting victims while there are none."""
         kept = []
-        for seq, n in sorted(rows, key=lambda row: (-row[0].priority, row[0].admit_order)):
+        for seq, n in sorted(rows, key=lambda row: victim_key(row[0])):
             if seq not in self.running:
                 continue  # preempted for an earlier row
-            while (
-                self.cache.blocks_needed(seq, seq.num_computed + n) > self.cache.num_free_blocks()
-            ):
-                victim = max(self.running, key=lambda s: (-s.priority, s.admit_order))
+            while self.cache.blocks_needed(seq, seq.num_computed + n) > self.cache.num_available:
+                victim = choose_victim(self.running)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -200,8 +256,9 @@ class Scheduler:
         victim.preemptions += 1
         victim.preempted_at = self._now
         if self.config.preemption == "swap" and victim.num_computed:
-            self.swap_space[victim.request_id] = self.cache.swap_out(victim)
-            self.swapped_bytes += victim.num_computed * self.cache.pool.bytes_per_token
+            saved = self.cache.swap_out(victim)
+            self.swap_space[victim.request_id] = saved
+            self.swapped_bytes += saved.nbytes
             bisect.insort(self.swapped, victim, key=queue_key)
             self.events.append(Event(self._now, victim.request_id, "swapped"))
         else:
@@ -213,9 +270,11 @@ class Scheduler:
         victim.status = SequenceStatus.WAITING
 
     def _swap_in(self) -> None:
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while self.swapped:
             seq = self.swapped[0]
-            if not self.cache.can_swap_in(seq):
+            if self._seats_taken() + seats(seq) > self.config.max_num_seqs:
+                break
+            if not self.cache.can_swap_in(seq, alone=not self.running):
                 break
             self.swapped.pop(0)
             self.cache.swap_in(seq, self.swap_space.pop(seq.request_id))

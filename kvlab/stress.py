@@ -155,7 +155,7 @@ def burst_summary(engine: Engine, outputs: Sequence[RequestOutput]) -> dict[str,
         "steps": len(stats),
         "peak_running": int(stats["running"].max()),
         "blocks": engine.cache.num_blocks,
-        "blocks_held_at_end": engine.cache.num_blocks - engine.cache.num_free_blocks(),
+        "blocks_held_at_end": engine.cache.num_blocks - engine.cache.num_available,
     }
 
 

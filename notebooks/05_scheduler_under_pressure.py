@@ -301,7 +301,7 @@ StressExplorer(model, budget_tokens=128, burst=6, policy="recompute", max_new_to
 #   prompt chunk takes it all and the decodes wait again; then try
 #   `max_num_batched_tokens=128` or 256 and watch the trade-off between gap and steps.
 # * Cancel a request mid-decode (`engine.cancel(request_id)`) and check
-#   `engine.cache.num_free_blocks()` before and after.
+#   `engine.cache.num_available` before and after.
 #
 # The stored timings and figures in this notebook come from the machine below (a 2-core
 # CPU unless it says otherwise); yours will differ in scale, not in shape. Everything

@@ -43,7 +43,12 @@ def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, model) -> kvlab.LoadedModel:
-    """A 2-layer random Llama with the embedded tokenizer: fast enough for property tests."""
+    """A 2-layer random Llama with the embedded tokenizer: fast enough for property tests.
+
+    Its weights are drawn wide (initializer_range=0.3, not HF's 0.02), so it attends
+    sharply and its greedy tokens depend on every K/V it reads: an engine that restores
+    zeros or reads a wrong slot changes its outputs (tests/test_mutations.py checks it).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(2)
@@ -56,6 +61,7 @@ def tiny_model(tmp_path_factory, model) -> kvlab.LoadedModel:
         max_position_embeddings=1024,
         vocab_size=model.tokenizer.vocab_size,
         tie_word_embeddings=True,
+        initializer_range=0.3,
     )
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)

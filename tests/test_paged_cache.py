@@ -117,7 +117,7 @@ def test_paged_greedy_equals_naive_and_hf(model, chat_prompts, reference_outputs
     first = outputs[0]
     assert first.token_ids == hf_greedy(model, first.prompt_token_ids, 24)[: len(first.token_ids)]
     engine.cache.check_integrity()
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    assert engine.cache.num_available == engine.cache.num_blocks
 
 
 def test_poisoned_paged_blocks_never_leak(model, chat_prompts, reference_outputs):
@@ -140,7 +140,7 @@ def test_a_request_that_can_never_fit_is_rejected(model, chat_prompts):
     while engine.has_unfinished():
         outputs.update({o.request_id: o for o in engine.step()})
     assert list(outputs) == [0]
-    assert engine.cache.num_free_blocks() == 4
+    assert engine.cache.num_available == 4
 
 
 def test_paged_holds_more_sequences_than_naive(model, chat_prompts):

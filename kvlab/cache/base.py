@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.cache.codecs import StoredKV
 from kvlab.cache.pool import KVPool
 from kvlab.sequence import Sequence
 
@@ -51,11 +52,13 @@ class KVCache(ABC):
 
     # --- what each variant decides -------------------------------------------------
     @abstractmethod
-    def can_admit(self, seq: Sequence) -> bool:
-        """Whether `seq` can be admitted now without endangering running sequences."""
+    def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
+        """Whether `seq` can be admitted now without endangering running sequences.
+
+        `alone`: no sequence is running (headroom kept for running ones is not needed)."""
 
     @abstractmethod
-    def _allocate(self, seq: Sequence) -> None:
+    def _allocate(self, seq: Sequence, alone: bool) -> None:
         """Reserve what this variant reserves at admission."""
 
     @abstractmethod
@@ -74,9 +77,10 @@ class KVCache(ABC):
     def reserved_slots(self) -> int:
         """Token slots set aside for admitted sequences."""
 
+    @property
     @abstractmethod
-    def num_free_blocks(self) -> int:
-        """Blocks no sequence holds."""
+    def num_available(self) -> int:
+        """Blocks an allocation can take now (free ones, and evictable cached ones)."""
 
     @abstractmethod
     def block_owners(self) -> list[int]:
@@ -84,7 +88,7 @@ class KVCache(ABC):
 
     @abstractmethod
     def check_integrity(self) -> None:
-        """Raise AssertionError naming the broken invariant, if any."""
+        """Raise IntegrityError naming the broken invariant, if any."""
 
     @abstractmethod
     def publish(self, seq: Sequence) -> None:
@@ -99,22 +103,23 @@ class KVCache(ABC):
         """New blocks `seq` must take to hold `num_tokens` tokens (0: it has room)."""
         return 0
 
-    def swap_out(self, seq: Sequence) -> object:
+    def swap_out(self, seq: Sequence) -> StoredKV:
         """Copy `seq`'s KV to host memory and free its blocks; return the copy."""
         raise NotImplementedError(f"the {self.name} cache does not swap")
 
-    def can_swap_in(self, seq: Sequence) -> bool:
+    def can_swap_in(self, seq: Sequence, alone: bool = False) -> bool:
         raise NotImplementedError(f"the {self.name} cache does not swap")
 
-    def swap_in(self, seq: Sequence, saved: object) -> None:
+    def swap_in(self, seq: Sequence, saved: StoredKV) -> None:
         """Re-admit a swapped-out `seq` into fresh blocks holding its saved KV."""
         raise NotImplementedError(f"the {self.name} cache does not swap")
 
     # --- shared behaviour ----------------------------------------------------------
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Sequence, alone: bool = False) -> None:
+        """Give `seq` what it needs to start (after `can_admit(seq, alone)` said yes)."""
         if seq.request_id in self.sequences:
             raise ValueError(f"request {seq.request_id} is already admitted")
-        self._allocate(seq)
+        self._allocate(seq, alone)
         self.sequences[seq.request_id] = seq
 
     def free(self, seq: Sequence) -> None:

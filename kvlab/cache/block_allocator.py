@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from kvlab.integrity import require
+
 
 class OutOfBlocks(RuntimeError):
     """No free or evictable block is left; callers must check `num_available` first."""
@@ -92,11 +94,12 @@ class BlockAllocator:
 
     def check_integrity(self) -> None:
         free, cached = set(self.free_blocks), set(self.cached)
-        assert len(free) == len(self.free_blocks), "a block is twice in the free list"
-        assert not free & cached, "a block is both free and cached"
-        assert all(self.ref_counts[b] == 0 for b in free | cached), "a free block has references"
-        assert all(c >= 0 for c in self.ref_counts), "a negative reference count"
+        require(len(free) == len(self.free_blocks), "a block is twice in the free list")
+        require(not free & cached, "a block is both free and cached")
+        require(all(self.ref_counts[b] == 0 for b in free | cached), "a free block has references")
+        require(all(c >= 0 for c in self.ref_counts), "a negative reference count")
         used = sum(1 for c in self.ref_counts if c > 0)
-        assert used + len(free) + len(cached) == self.num_blocks, (
-            f"free {len(free)} + used {used} + cached {len(cached)} != total {self.num_blocks}"
+        require(
+            used + len(free) + len(cached) == self.num_blocks,
+            f"free {len(free)} + used {used} + cached {len(cached)} != total {self.num_blocks}",
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,24 @@ if TYPE_CHECKING:
 
 SCALE_DTYPE = torch.bfloat16
 Field = tuple[tuple[int, ...], torch.dtype]  # per-slot shape and dtype of one stored tensor
+
+
+@dataclass
+class StoredKV:
+    """What a codec stores for some slots, as it stores it (codes and scales, not values).
+
+    Copy-on-write, swapping and tiers move these tensors as they are: bit-exact, with no
+    decode and re-encode. Each tensor is (layers, n, ...) for n slots or key groups.
+    """
+
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def to(self, device: torch.device | str) -> StoredKV:
+        return StoredKV({k: t.to(device, copy=True) for k, t in self.tensors.items()})
 
 
 class KVCodec(ABC):
@@ -66,6 +85,18 @@ class KVCodec(ABC):
     @abstractmethod
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The main stored K and V tensors, (layers, slots, ...): values or codes."""
+
+    @abstractmethod
+    def export(self, slots: torch.Tensor) -> StoredKV:
+        """The stored codes of `slots` (N,) in every layer, on this codec's device."""
+
+    @abstractmethod
+    def load(self, slots: torch.Tensor, stored: StoredKV) -> None:
+        """Store what `export` returned into (other) slots, bit for bit."""
+
+    def copy(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """The codes of `source` slots into `target` slots, in every layer (bit-exact)."""
+        self.load(target, self.export(source))
 
     def check_finite(self, layer: int, **tensors: torch.Tensor) -> None:
         for what, x in tensors.items():
@@ -130,6 +161,17 @@ class TokenCodec(KVCodec):
         for tensor in (*self.k_fields, *self.v_fields):
             if tensor.is_floating_point():  # a NaN scale spoils the codes beside it
                 tensor[:, slots] = float("nan")
+
+    def _named_fields(self) -> dict[str, torch.Tensor]:
+        named = {f"k{i}": t for i, t in enumerate(self.k_fields)}
+        return named | {f"v{i}": t for i, t in enumerate(self.v_fields)}
+
+    def export(self, slots: torch.Tensor) -> StoredKV:
+        return StoredKV({name: t[:, slots] for name, t in self._named_fields().items()})
+
+    def load(self, slots: torch.Tensor, stored: StoredKV) -> None:
+        for name, tensor in self._named_fields().items():
+            tensor[:, slots] = stored.tensors[name].to(tensor.device)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.cache.codecs import SCALE_DTYPE, KVCodec, _scale, group_size, pack, unpack
+from kvlab.cache.codecs import SCALE_DTYPE, KVCodec, StoredKV, _scale, group_size, pack, unpack
 
 if TYPE_CHECKING:
     from kvlab.cache.pool import KVSpec
@@ -219,6 +219,61 @@ class Kivi2(KVCodec):
             k[exact] = self.window[b, 0, layer, o]
             v[exact] = self.window[b, 1, layer, o]
         return k, v
+
+    # --- copies of stored codes -------------------------------------------------------
+    def _groups_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Key groups of `slots`, which must run group-aligned: slot i at offset i % G."""
+        offsets = torch.arange(len(slots), device=slots.device) % self.group
+        if not bool((slots % self.group == offsets).all()):
+            raise ValueError("kivi2 copies slots in runs that start at a 16-token group")
+        return slots[:: self.group] // self.group
+
+    def export(self, slots: torch.Tensor) -> StoredKV:
+        """Per slot: codes and value scales; per key group: its scales, or (incomplete
+        groups) its window of exact K/V. A complete group must be copied whole."""
+        groups, count = self._groups_of(slots), len(slots)
+        staged = self.staged[:, groups]  # (L, n)
+        window = torch.zeros((len(groups), *self.window.shape[1:]), dtype=self.dtype,
+                             device=self.device)  # fmt: skip
+        filled = torch.zeros((len(groups), *self.filled.shape[1:]), dtype=torch.bool,
+                             device=self.device)  # fmt: skip
+        for layer, i in (staged >= 0).nonzero().tolist():
+            buf = int(staged[layer, i])
+            window[i, :, layer] = self.window[buf, :, layer]
+            filled[i, layer] = self.filled[buf, layer]
+        last = count - (len(groups) - 1) * self.group  # slots of the last group copied
+        if last < self.group:
+            if not bool((staged[:, -1] >= 0).all()):
+                raise ValueError("kivi2 copies a complete key group whole, never a part of it")
+            filled[-1, :, last:] = False
+        return StoredKV(
+            {
+                "k_codes": self.k_codes[:, slots],
+                "v_codes": self.v_codes[:, slots],
+                "v_scale": self.v_scale[:, slots],
+                "v_zero": self.v_zero[:, slots],
+                "k_scale": self.k_scale[:, groups],
+                "k_zero": self.k_zero[:, groups],
+                "staged": (staged >= 0).to(torch.int8),
+                "window": window,
+                "filled": filled,
+            }
+        )
+
+    def load(self, slots: torch.Tensor, stored: StoredKV) -> None:
+        t = {name: x.to(self.device) for name, x in stored.tensors.items()}
+        groups = self._groups_of(slots)
+        for name in ("k_codes", "v_codes", "v_scale", "v_zero"):
+            getattr(self, name)[:, slots] = t[name]
+        self.k_scale[:, groups], self.k_zero[:, groups] = t["k_scale"], t["k_zero"]
+        self.staged[:, groups] = -1
+        staged = t["staged"].bool()  # (L, n)
+        self._release([g for i, g in enumerate(groups.tolist()) if not staged[:, i].any()])
+        for i, group in enumerate(groups.tolist()):
+            if staged[:, i].any():
+                buf = self._buffer(group)
+                self.window[buf], self.filled[buf] = t["window"][i], t["filled"][i]
+                self.staged[staged[:, i], group] = buf
 
     def poison(self, slots: torch.Tensor) -> None:
         groups = torch.unique(slots // self.group)

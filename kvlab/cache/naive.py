@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvlab.cache.base import KVCache
 from kvlab.cache.pool import KVPool
+from kvlab.integrity import require
 from kvlab.sequence import Sequence
 
 
@@ -35,10 +36,10 @@ class NaiveCache(KVCache):
     def check_fits(self, seq: Sequence) -> None:
         pass  # every region holds max_model_len tokens, and the engine caps sequences there
 
-    def can_admit(self, seq: Sequence) -> bool:
+    def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
         return bool(self.free_regions)
 
-    def _allocate(self, seq: Sequence) -> None:
+    def _allocate(self, seq: Sequence, alone: bool) -> None:
         if not self.free_regions:
             raise RuntimeError("no free region: call can_admit() first")
         self.region_of[seq.request_id] = self.free_regions.pop()
@@ -58,7 +59,8 @@ class NaiveCache(KVCache):
     def reserved_slots(self) -> int:
         return len(self.region_of) * self.max_model_len
 
-    def num_free_blocks(self) -> int:
+    @property
+    def num_available(self) -> int:
         return len(self.free_regions)
 
     def block_owners(self) -> list[int]:
@@ -70,9 +72,10 @@ class NaiveCache(KVCache):
     def check_integrity(self) -> None:
         used = list(self.region_of.values())
         total = self.num_blocks
-        assert len(set(used)) == len(used), f"a region is owned twice: {sorted(used)}"
-        assert not set(used) & set(self.free_regions), "a region is both used and free"
-        assert len(used) + len(self.free_regions) == total, (
-            f"free {len(self.free_regions)} + used {len(used)} != total {total}"
+        require(len(set(used)) == len(used), f"a region is owned twice: {sorted(used)}")
+        require(not set(used) & set(self.free_regions), "a region is both used and free")
+        require(
+            len(used) + len(self.free_regions) == total,
+            f"free {len(self.free_regions)} + used {len(used)} != total {total}",
         )
-        assert set(self.region_of) == set(self.sequences), "region owners != admitted sequences"
+        require(set(self.region_of) == set(self.sequences), "region owners != admitted sequences")

@@ -3,10 +3,16 @@
 A sequence takes a new block only when its last block is full, so at most
 block_size - 1 slots per sequence are ever unused (the tail of its last block).
 
-Admission (until the scheduler can preempt): a request is admitted only if the blocks it
-could ever need, ceil(min(prompt + max_new_tokens, max_model_len) / block_size), fit
-beside what running sequences could still claim. Blocks are taken lazily, so memory is
-only *held* as tokens arrive, but a running sequence can never run out of blocks.
+Admission is one of two policies:
+
+- reserve: a request is admitted only if the blocks it could ever need fit beside what
+  running sequences could still claim (`future_blocks`: growth to
+  ceil(min(prompt + max_new_tokens, max_model_len) / block_size), one copy of a shared
+  block it will write, and the tails of its n - 1 samples not yet forked). Blocks are
+  taken lazily, so memory is only *held* as tokens arrive, but nobody ever runs out.
+- watermark: a request is admitted when its prompt's blocks fit and `watermark` of the
+  pool stays free for running sequences to grow into (waived when none runs); when
+  blocks run out mid-decode the scheduler preempts.
 
 With a prefix index (`prefix_caching="hash" | "radix"`), admission first looks the
 prompt up: matched blocks join the new table by reference (their tokens are not computed
@@ -21,13 +27,12 @@ import torch
 
 from kvlab.cache.base import KVCache
 from kvlab.cache.block_allocator import BlockAllocator
+from kvlab.cache.codecs import StoredKV
 from kvlab.cache.pool import KVPool
 from kvlab.cache.prefix_index import PrefixIndex, PrefixMatch
+from kvlab.integrity import require
 from kvlab.sequence import Sequence
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)  # ceil division
+from kvlab.units import ceil_div
 
 
 class PagedCache(KVCache):
@@ -45,17 +50,31 @@ class PagedCache(KVCache):
         super().__init__(pool, block_size, max_model_len, poison_freed)
         self.index = prefix_index
         # None: reserve admission (worst case promised, never preempts). Otherwise the
-        # fraction of blocks that must stay free after admitting a prompt.
+        # number of blocks that must stay free after admitting a prompt.
         self.watermark_blocks = None if watermark is None else int(watermark * self.num_blocks)
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self._forget)
         self.tables: dict[int, list[int]] = {}  # request id -> block table
-        self.promised: dict[int, int] = {}  # request id -> blocks it may still claim
         self.copied_blocks = 0  # copy-on-write copies made
+
+    @property
+    def reserves(self) -> bool:
+        """Reserve admission: every admitted request is promised its worst case."""
+        return self.watermark_blocks is None
 
     # --- admission -----------------------------------------------------------------
     def worst_case_blocks(self, seq: Sequence) -> int:
         tokens = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_model_len)
-        return blocks_for(tokens, self.block_size)
+        return ceil_div(tokens, self.block_size)
+
+    def unforked_blocks(self, seq: Sequence) -> int:
+        """Blocks the n - 1 samples not yet forked from `seq` may claim: each shares the
+        prompt's full blocks and grows its own tail; one more for the copy of a shared,
+        partly filled last prompt block (every sharer but the last writer copies it)."""
+        if seq.params.n == 1 or seq.parent_id is not None or seq.first_token_s is not None:
+            return 0
+        prompt = len(seq.prompt_ids)
+        tail = self.worst_case_blocks(seq) - prompt // self.block_size
+        return (seq.params.n - 1) * tail + (prompt % self.block_size != 0)
 
     def check_fits(self, seq: Sequence) -> None:
         need = self.worst_case_blocks(seq)
@@ -64,6 +83,13 @@ class PagedCache(KVCache):
                 f"request needs {need} blocks of {self.block_size} tokens (prompt "
                 f"{len(seq.prompt_ids)} + max_new_tokens {seq.params.max_new_tokens}) but the "
                 f"KV budget holds only {self.num_blocks} blocks"
+            )
+        group = need + self.unforked_blocks(seq)
+        if self.reserves and group > self.num_blocks:
+            raise ValueError(
+                f"request with SamplingParams.n={seq.params.n} needs {group} blocks of "
+                f"{self.block_size} tokens for all its samples under reserve admission, but "
+                f"the KV budget holds only {self.num_blocks} blocks"
             )
 
     def _lookup(self, seq: Sequence) -> PrefixMatch:
@@ -76,74 +102,106 @@ class PagedCache(KVCache):
         if len(full) < len(match.blocks) or match.partial_block is None:
             return PrefixMatch(full)
         partial = min(match.partial_tokens, limit - len(full) * self.block_size)
+        partial -= partial % self.pool.codec.alignment  # grouped codes copy whole groups
         return PrefixMatch(full, match.partial_block, partial) if partial else PrefixMatch(full)
 
-    def can_admit(self, seq: Sequence) -> bool:
-        match = self._lookup(seq)
-        revived = sum(1 for b in match.blocks if b in self.allocator.cached)
-        available = self.allocator.num_available - revived - sum(self.promised.values())
-        if self.watermark_blocks is None:
-            return self.worst_case_blocks(seq) - len(match.blocks) <= available
-        prompt = blocks_for(seq.num_tokens, self.block_size) - len(match.blocks)
-        return prompt <= available - self.watermark_blocks
+    def _pinned(self, match: PrefixMatch) -> int:
+        """Cached blocks that admitting `match` takes out of the LRU pool: the matched
+        ones, and the partial source while it is copied."""
+        blocks = match.blocks + ([match.partial_block] if match.partial_block is not None else [])
+        return sum(1 for b in blocks if b in self.allocator.cached)
 
-    def _allocate(self, seq: Sequence) -> None:
+    def _fits(self, seq: Sequence, match: PrefixMatch, alone: bool) -> bool:
+        available = self.allocator.num_available - self._pinned(match)
+        if self.reserves:
+            need = self.worst_case_blocks(seq) - len(match.blocks) + self.unforked_blocks(seq)
+            return need <= available - self.promised_blocks()
+        prompt = ceil_div(seq.num_tokens, self.block_size) - len(match.blocks)
+        return prompt <= available - self._headroom(alone)
+
+    def _plan(self, seq: Sequence, alone: bool) -> PrefixMatch | None:
+        """The prefix match `seq` is admitted with now, or None if it cannot be admitted.
+
+        A partial (radix) hit pins its source block while copying it; when that pin is
+        what stops the request from fitting, the partial tokens are recomputed instead.
+        """
         match = self._lookup(seq)
+        if self._fits(seq, match, alone):
+            return match
+        full = PrefixMatch(match.blocks)
+        if match.partial_block is not None and self._fits(seq, full, alone):
+            return full
+        return None
+
+    def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
+        """Whether `seq` can be admitted now. `alone`: no sequence is running."""
+        return self._plan(seq, alone) is not None
+
+    def _headroom(self, alone: bool) -> int:
+        """Blocks watermark admission keeps free for running sequences (none if none run)."""
+        return 0 if alone or self.reserves else self.watermark_blocks
+
+    def _allocate(self, seq: Sequence, alone: bool) -> None:
+        match = self._plan(seq, alone)
+        if match is None:
+            raise ValueError(f"request {seq.request_id} does not fit: call can_admit() first")
         table = []
         for block in match.blocks:
             self.allocator.incref(block)
             table.append(block)
         self.tables[seq.request_id] = table
-        self.promised[seq.request_id] = self._promise(seq, table)
         hit = len(table) * self.block_size
         if match.partial_block is not None:
             # Token-granular hit (radix): copy the matching slots instead of recomputing.
             source = match.partial_block
             self.allocator.incref(source)  # keep it from being evicted by our allocation
-            self._append_block(seq)
+            table.append(self.allocator.allocate())
             self._copy_slots(source, table[-1], match.partial_tokens)
             self.allocator.decref(source, keep_cached=source in self.index)
             hit += match.partial_tokens
         seq.num_computed = seq.prefix_hit_tokens = hit
-        if self.watermark_blocks is not None:
+        if not self.reserves:
             # Take the prompt's blocks now, so the next admission in the same step sees
             # them gone (watermark admission makes no promises to count instead).
             self.ensure_capacity(seq, seq.num_tokens)
 
-    def _promise(self, seq: Sequence, table: list[int]) -> int:
-        """Blocks set aside for `seq` to grow into (reserve admission only)."""
-        if self.watermark_blocks is not None:
-            return 0
-        return max(0, self.worst_case_blocks(seq) - len(table))
+    # --- promises (reserve admission) ----------------------------------------------
+    def future_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` may still take: growth to its worst case, a copy of the shared
+        block its next write lands in, and its unforked samples' tails."""
+        table = self.tables[seq.request_id]
+        grow = max(0, self.worst_case_blocks(seq) - len(table))
+        return grow + self._must_copy(seq) + self.unforked_blocks(seq)
 
-    def _spend_promise(self, request_id: int) -> None:
-        self.promised[request_id] = max(0, self.promised[request_id] - 1)
+    def promised_blocks(self) -> int:
+        """Blocks reserve admission has promised to running sequences (0 for watermark)."""
+        if not self.reserves:
+            return 0
+        return sum(self.future_blocks(seq) for seq in self.sequences.values())
 
     # --- growth --------------------------------------------------------------------
-    def _append_block(self, seq: Sequence) -> None:
-        self.tables[seq.request_id].append(self.allocator.allocate())
-        self._spend_promise(seq.request_id)
+    def _must_copy(self, seq: Sequence) -> bool:
+        """The block the next write of `seq` lands in is shared: it must be copied first."""
+        table = self.tables[seq.request_id]
+        first = seq.num_computed // self.block_size
+        return first < len(table) and self.allocator.ref_counts[table[first]] > 1
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         table = self.tables[seq.request_id]
-        first = seq.num_computed // self.block_size
-        copy = first < len(table) and self.allocator.ref_counts[table[first]] > 1
-        grow = max(0, blocks_for(num_tokens, self.block_size) - len(table))
-        return grow + copy - self.promised[seq.request_id]
+        grow = max(0, ceil_div(num_tokens, self.block_size) - len(table))
+        return grow + self._must_copy(seq)
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
         table = self.tables[seq.request_id]
-        first = seq.num_computed // self.block_size  # the block the next write lands in
-        if first < len(table) and self.allocator.ref_counts[table[first]] > 1:
-            self._copy_on_write(seq, first)
+        if self._must_copy(seq):
+            self._copy_on_write(seq, seq.num_computed // self.block_size)
         while len(table) * self.block_size < num_tokens:
-            self._append_block(seq)
+            table.append(self.allocator.allocate())
 
     def _copy_on_write(self, seq: Sequence, index: int) -> None:
         table = self.tables[seq.request_id]
         shared = table[index]
         fresh = self.allocator.allocate()
-        self._spend_promise(seq.request_id)
         self._copy_slots(shared, fresh, seq.num_computed - index * self.block_size)
         table[index] = fresh
         self.allocator.decref(shared, keep_cached=self._indexed(shared))
@@ -167,15 +225,6 @@ class PagedCache(KVCache):
             self.allocator.incref(block)
         self.tables[child.request_id] = table
         self.sequences[child.request_id] = child
-        # Its own growth, plus one copy of the shared partial last block.
-        self.promised[child.request_id] = self._promise(child, table) + (
-            self.watermark_blocks is None
-        )
-
-    def fork_blocks_needed(self, seq: Sequence, samples: int) -> int:
-        """Extra blocks `samples - 1` forks of `seq` may claim beyond its own promise."""
-        shared_full = len(seq.prompt_ids) // self.block_size
-        return (samples - 1) * (self.worst_case_blocks(seq) - shared_full + 1)
 
     def _indexed(self, block: int) -> bool:
         return self.index is not None and block in self.index
@@ -187,22 +236,20 @@ class PagedCache(KVCache):
                 self.allocator.uncache(orphan)
 
     # --- swapping --------------------------------------------------------------------
-    def swap_out(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def swap_out(self, seq: Sequence) -> StoredKV:
         saved = self.pool.read(self._slots(seq, seq.num_computed))
         self.free(seq)
         return saved
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        need = blocks_for(seq.num_computed + 1, self.block_size)
-        margin = self.watermark_blocks or 0
-        return need <= self.allocator.num_available - sum(self.promised.values()) - margin
+    def can_swap_in(self, seq: Sequence, alone: bool = False) -> bool:
+        need = ceil_div(seq.num_computed + 1, self.block_size)
+        available = self.allocator.num_available - self.promised_blocks()
+        return need <= available - self._headroom(alone)
 
-    def swap_in(self, seq: Sequence, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def swap_in(self, seq: Sequence, saved: StoredKV) -> None:
         self.tables[seq.request_id] = []
-        self.promised[seq.request_id] = 0
         self.sequences[seq.request_id] = seq
         self.ensure_capacity(seq, seq.num_computed)
-        self.promised[seq.request_id] = self._promise(seq, self.tables[seq.request_id])
         self.pool.restore(self._slots(seq, seq.num_computed), saved)
 
     def _slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
@@ -214,7 +261,6 @@ class PagedCache(KVCache):
 
     # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:
-        del self.promised[seq.request_id]
         table = self.tables.pop(seq.request_id)
         if self.index is not None:
             tokens = seq.token_ids[: seq.num_computed]
@@ -227,7 +273,9 @@ class PagedCache(KVCache):
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.request_id]
 
-    def num_free_blocks(self) -> int:
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take: free ones and evictable cached ones."""
         return self.allocator.num_available
 
     def reserved_slots(self) -> int:
@@ -258,15 +306,15 @@ class PagedCache(KVCache):
             for block in table:
                 counts[block] += 1
                 salts.setdefault(block, set()).add(self.sequences[request_id].salt)
-        assert counts == self.allocator.ref_counts, "reference counts != table references"
-        assert all(len(s) == 1 for s in salts.values()), "a block is shared across salts"
-        assert set(self.tables) == set(self.sequences), "block tables != admitted sequences"
+        require(counts == self.allocator.ref_counts, "reference counts != table references")
+        require(all(len(s) == 1 for s in salts.values()), "a block is shared across salts")
+        require(set(self.tables) == set(self.sequences), "block tables != admitted sequences")
         for block in self.allocator.cached:
-            assert self._indexed(block), f"cached block {block} is not in the prefix index"
+            require(self._indexed(block), f"cached block {block} is not in the prefix index")
         for request_id, seq in self.sequences.items():
             held = len(self.tables[request_id]) * self.block_size
-            assert seq.num_computed <= held, f"request {request_id} has tokens outside its blocks"
-            assert self.promised[request_id] >= 0, f"request {request_id} overdrew its promise"
-        assert sum(self.promised.values()) <= self.allocator.num_available, (
-            "promised > available blocks"
+            require(seq.num_computed <= held, f"request {request_id} has tokens outside its blocks")
+        require(
+            self.promised_blocks() <= self.allocator.num_available,
+            "reserve admission promised more blocks than are available",
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.codecs import make_codec
+from kvlab.cache.codecs import StoredKV, make_codec
 
 
 @dataclass(frozen=True)
@@ -67,28 +67,23 @@ class KVPool:
         k, v = self.codec.gather(layer, slots.reshape(-1))
         return k.view(shape), v.view(shape)
 
+    @torch.inference_mode()
     def copy(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy-on-write: K/V of `source` slots into `target` slots, in every layer.
+        """Copy-on-write: the stored codes of `source` slots into `target` slots, in every
+        layer, bit for bit (no decode and re-encode)."""
+        self.codec.copy(source, target)
 
-        Goes through the codec (decode, then encode again), so it works for every codec;
-        for the model's own dtype it is an exact copy.
-        """
-        for layer in range(self.spec.num_layers):
-            k, v = self.codec.gather(layer, source)
-            self.codec.write(layer, target, k, v)
+    @torch.inference_mode()
+    def read(self, slots: torch.Tensor) -> StoredKV:
+        """The stored codes of `slots` in every layer, copied to host memory (swap-out)."""
+        return self.codec.export(slots).to("cpu")
 
-    def read(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of `slots` in every layer, copied to host memory (swap-out)."""
-        return [
-            tuple(x.to("cpu", copy=True) for x in self.codec.gather(layer, slots))
-            for layer in range(self.spec.num_layers)
-        ]
-
-    def restore(self, slots: torch.Tensor, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    @torch.inference_mode()
+    def restore(self, slots: torch.Tensor, saved: StoredKV) -> None:
         """Write what `read` returned into (other) slots (swap-in)."""
-        for layer, (k, v) in enumerate(saved):
-            self.codec.write(layer, slots, k.to(self.device), v.to(self.device))
+        self.codec.load(slots, saved)
 
+    @torch.inference_mode()
     def poison(self, slots: torch.Tensor) -> None:
         """Fill slots with NaN (debug mode): any later read of them corrupts the output."""
         self.codec.poison(slots)

@@ -4,18 +4,17 @@
 returns the one to preempt. kvlab's rule: the lowest priority first (a larger `priority`
 is more important), then the most recently admitted (the largest `admit_order`): it has
 the least work to lose, and the requests admitted first keep making progress. The
-grader's reference is kvlab's real Scheduler, asked to free one block.
+grader's reference is kvlab's real victim rule, `kvlab.scheduler.choose_victim`.
 """
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Callable
 
-from kvlab.config import EngineConfig, SamplingParams
+from kvlab.config import SamplingParams
 from kvlab.labs.grading import Broken, Case, LabResult, grade, search
-from kvlab.scheduler import Scheduler
+from kvlab.scheduler import choose_victim
 from kvlab.sequence import Sequence, SequenceStatus
 
 ChooseVictim = Callable[[list[Sequence]], Sequence]
@@ -72,34 +71,9 @@ def _describe(seq: Sequence) -> str:
     )
 
 
-class _OneBlockShort:
-    """A stand-in KV cache with no free block until one sequence is freed."""
-
-    def __init__(self) -> None:
-        self.freed: list[Sequence] = []
-
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return 1
-
-    def num_free_blocks(self) -> int:
-        return len(self.freed)
-
-    def free(self, seq: Sequence) -> None:
-        self.freed.append(seq)
-
-    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
-        pass
-
-
 def kvlab_victim(running: list[Sequence]) -> Sequence:
     """The sequence kvlab's Scheduler preempts when it needs one block and none is free."""
-    copies = [copy.copy(seq) for seq in running]
-    cache = _OneBlockShort()
-    scheduler = Scheduler(EngineConfig(), cache)
-    scheduler.running = list(copies)
-    scheduler._secure_blocks([(seq, 1) for seq in copies])
-    (victim,) = cache.freed
-    return next(seq for seq, c in zip(running, copies) if c is victim)
+    return choose_victim(running)
 
 
 def _ask(fn: ChooseVictim, running: list[Sequence]) -> Sequence:

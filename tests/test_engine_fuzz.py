@@ -1,0 +1,292 @@
+"""A stateful property test: random interleavings of requests, steps, cancellations and bad
+input, on random engine configs, must leave the engine consistent.
+
+After every rule: `check_integrity()`, telemetry consistent, no stall while work is queued.
+At the end: every request finished, each greedy (or seeded) sample equal to its solo run on
+an unpressured naive engine with the same KV codec (a cancelled one a prefix of it; kivi2,
+whose outputs depend on where its key groups are split, is checked for consistency only),
+every block free or cached.
+
+The suite runs a fast, derandomized profile. A soak: `KVLAB_FUZZ_EXAMPLES=2000 pytest
+tests/test_engine_fuzz.py` (random seeds; hypothesis prints the shrunk failing program).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import kvlab
+from kvlab.cache.codecs import CODECS
+from kvlab.config import SamplingParams
+
+MAX_MODEL_LEN = 128
+STALL_STEPS = 200  # steps without a new token while work is queued: a livelock
+EXAMPLES = int(os.environ.get("KVLAB_FUZZ_EXAMPLES", "0"))
+SOAK = EXAMPLES > 0
+PREFIXES = ([5 + (7 * j) % 400 for j in range(40)], [900 + (13 * j) % 500 for j in range(40)])
+
+
+@st.composite
+def engine_configs(draw) -> dict:
+    kv_dtype = draw(st.sampled_from([None, *CODECS]))
+    aligned = kv_dtype == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
+    pressured = draw(st.booleans())  # a small pool that must preempt to serve a burst
+    cache = "paged" if pressured else draw(st.sampled_from(["naive", "paged"]))
+    config = dict(
+        cache=cache,
+        kv_dtype=kv_dtype,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=draw(st.sampled_from([1, 3, 4, 8])),
+        max_num_batched_tokens=draw(st.sampled_from([8, 16, 33, 64, 256])),
+        chunked_prefill=draw(st.booleans()),
+        schedule_order=draw(st.sampled_from(["prefill-first", "decode-first"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        preemption=draw(st.sampled_from(["recompute", "swap"])),
+        poison_freed=draw(st.booleans()),
+    )
+    if cache == "naive":
+        config["kv_budget_tokens"] = MAX_MODEL_LEN * draw(st.integers(1, 3))
+        return config
+    block_size = draw(st.sampled_from([16, 32] if aligned else [1, 2, 4, 8, 16]))
+    config.update(
+        block_size=block_size,
+        prefix_caching=draw(st.sampled_from([None, "hash", "radix"])),
+        admission="watermark" if pressured else draw(st.sampled_from(["reserve", "watermark"])),
+        watermark=draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])),
+        # From a few blocks (most requests rejected, the rest preempt each other) to
+        # room for several requests at once.
+        kv_budget_tokens=max(block_size, draw(st.sampled_from([16, 64, 96, 128, 160, 320]))),
+    )
+    if pressured:
+        config.update(kv_budget_tokens=max(block_size, draw(st.sampled_from([96, 128, 160]))),
+                      max_num_seqs=8)  # fmt: skip
+    return config
+
+
+@st.composite
+def prompts(draw) -> list[int]:
+    prefix = draw(st.sampled_from(PREFIXES))[: draw(st.integers(0, 40))]
+    tail = draw(st.lists(st.integers(1, 40000), min_size=0 if prefix else 1, max_size=40))
+    return prefix + tail
+
+
+@st.composite
+def sampling(draw) -> SamplingParams:
+    seeded = draw(st.booleans())
+    return SamplingParams(
+        max_new_tokens=draw(st.integers(1, 16)),
+        n=draw(st.integers(1, 3)),
+        temperature=0.8 if seeded else 0.0,
+        seed=draw(st.integers(0, 100)) if seeded else None,
+        ignore_eos=draw(st.booleans()),
+    )
+
+
+class Oracle:
+    """Solo runs on an unpressured naive engine, one per codec, memoized across examples."""
+
+    def __init__(self, model):
+        self.model, self.engines, self.memo = model, {}, {}
+
+    def tokens(self, kv_dtype, prompt: list[int], params: SamplingParams, i: int) -> list[int]:
+        seed = None if params.seed is None else params.seed + i  # sample i of n uses seed + i
+        key = (kv_dtype, tuple(prompt), params.max_new_tokens, params.temperature, seed,
+               params.ignore_eos)  # fmt: skip
+        if key not in self.memo:
+            if kv_dtype not in self.engines:
+                config = kvlab.EngineConfig(
+                    max_model_len=MAX_MODEL_LEN, kv_budget_tokens=MAX_MODEL_LEN, kv_dtype=kv_dtype
+                )
+                self.engines[kv_dtype] = kvlab.Engine(self.model, config)
+            solo = SamplingParams(
+                max_new_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                seed=seed,
+                ignore_eos=params.ignore_eos,
+            )
+            [out] = self.engines[kv_dtype].generate([prompt], solo)
+            self.memo[key] = out.token_ids
+        return self.memo[key]
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """One engine driven by random rules; `model` and `oracle` are set by the test."""
+
+    model = None
+    oracle: Oracle | None = None
+    requests = Bundle("requests")
+    counts = {"examples": 0, "rules": 0, "steps": 0, "finished": 0, "compared": 0,
+              "preempted": 0, "swapped": 0, "prefix_hits": 0, "forks": 0}  # fmt: skip
+
+    @initialize(config=engine_configs())
+    def build(self, config):
+        try:
+            self.engine = kvlab.Engine(self.model, kvlab.EngineConfig(**config))
+        except ValueError as error:  # a budget too small for one sequence, say
+            assert "budget" in str(error) or "block" in str(error), error
+            self.engine = kvlab.Engine(self.model, kvlab.EngineConfig(max_model_len=128))
+        self.submitted: dict[int, tuple[list[int], SamplingParams]] = {}
+        self.idle_steps = 0
+        self.counts["examples"] += 1
+
+    # --- rules -----------------------------------------------------------------------
+    @rule(target=requests, prompt=prompts(), params=sampling(), salt=st.sampled_from(
+        [None, "a", "b"]), priority=st.integers(0, 2))  # fmt: skip
+    def add(self, prompt, params, salt, priority):
+        return self._add(prompt, params, salt, priority)
+
+    @rule(burst=st.lists(st.tuples(prompts(), sampling(), st.sampled_from([None, "a"]),
+        st.integers(0, 2)), min_size=2, max_size=6))  # fmt: skip
+    def add_burst(self, burst):
+        for request in burst:
+            self._add(*request)
+
+    def _add(self, prompt, params, salt, priority) -> int:
+        before = self._queued()
+        try:
+            request_id = self.engine.add_request(prompt, params, salt=salt, priority=priority)
+        except ValueError:
+            assert self._queued() == before, "a rejected request changed the queues"
+            return -1
+        self.submitted[request_id] = (prompt, params)
+        return request_id
+
+    @rule(bad=st.sampled_from(["empty", "vocab", "salt", "long", "n", "budget"]))
+    def bad_request(self, bad):
+        before = self._queued()
+        params, kwargs, prompt = SamplingParams(max_new_tokens=4), {}, [1, 2, 3]
+        capacity = self.engine.cache.num_blocks * self.engine.cache.block_size
+        if bad == "budget" and capacity >= MAX_MODEL_LEN:
+            return  # every prompt that fits max_model_len fits this budget
+        if bad == "empty":
+            prompt = []
+        elif bad == "vocab":
+            prompt = [1, 10**6]
+        elif bad == "salt":
+            kwargs["salt"] = 7
+        elif bad == "long":
+            prompt = [3] * MAX_MODEL_LEN
+        elif bad == "n":
+            params = SamplingParams(max_new_tokens=4, n=10_000)
+        else:
+            prompt = [3] * capacity  # needs one block more than the whole budget
+        with pytest.raises(ValueError):
+            self.engine.add_request(prompt, params, **kwargs)
+        assert self._queued() == before, "a rejected request changed the queues"
+
+    @rule()
+    def step(self):
+        self._step()
+
+    @rule(steps=st.integers(1, 16))
+    def steps(self, steps):
+        for _ in range(steps):
+            self._step()
+
+    @rule(request_id=requests)
+    def cancel(self, request_id):
+        self.engine.cancel(request_id)
+
+    @rule(request_id=st.integers(10_000, 10_010))
+    def cancel_unknown(self, request_id):
+        assert not self.engine.cancel(request_id)
+
+    @precondition(lambda self: self.engine.config.cache == "paged")
+    @rule(data=st.data())
+    def cancel_a_fork(self, data):
+        forks = [s for s in self.engine.scheduler.running if s.parent_id is not None]
+        if forks:
+            self.engine.cancel(data.draw(st.sampled_from(forks)).request_id)
+
+    # --- checks ----------------------------------------------------------------------
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "engine"):
+            return
+        self.counts["rules"] += 1
+        self.engine.cache.check_integrity()
+        stats = self.engine.telemetry.records
+        if stats:
+            row = stats[-1]
+            assert row.blocks_used + row.blocks_free == self.engine.cache.num_blocks
+
+    def _queued(self) -> tuple[int, int, int]:
+        s = self.engine.scheduler
+        return len(s.waiting), len(s.running), len(s.swapped)
+
+    def _tokens_so_far(self) -> int:
+        s = self.engine.scheduler
+        live = sum(len(q.output_ids) for q in s.waiting + s.running + s.swapped)
+        return live + len(self.engine.finished)
+
+    def _step(self):
+        if not self.engine.has_unfinished():
+            self.idle_steps = 0
+            return
+        rows, before = len(self.engine.telemetry.records), self._tokens_so_far()
+        self.engine.step()
+        self.counts["steps"] += 1
+        if self.engine.has_unfinished():
+            assert len(self.engine.telemetry.records) > rows, "work is queued but nothing ran"
+        self.idle_steps = 0 if self._tokens_so_far() != before else self.idle_steps + 1
+        assert self.idle_steps < STALL_STEPS, "livelock: no new token in many steps"
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        engine = self.engine
+        while engine.has_unfinished():
+            self._step()
+            self.consistent()
+        assert {o.request_id for o in engine.finished} == set(self.submitted)
+        self.counts["finished"] += len(engine.finished)
+        self.counts["preempted"] += engine.scheduler.preemptions
+        self.counts["swapped"] += engine.scheduler.swapped_bytes > 0
+        self.counts["prefix_hits"] += sum(o.metrics.prefix_hit_tokens > 0 for o in engine.finished)
+        self.counts["forks"] += sum(len(o.samples) > 1 for o in engine.finished)
+        kv_dtype = engine.config.kv_dtype
+        # kivi2 keeps each sequence's unfinished 16-token key group exact until it
+        # completes, so its outputs depend on where prefill chunks and recomputes split
+        # the groups: it is checked for consistency here, not for token identity.
+        finished = [] if kv_dtype == "kivi2" else engine.finished
+        for out in finished:
+            prompt, params = self.submitted[out.request_id]
+            assert len(out.samples) == params.n or out.finish_reason == "cancelled"
+            self.counts["compared"] += 1
+            for i, sample in enumerate(out.samples):
+                expected = self.oracle.tokens(kv_dtype, prompt, params, i)
+                if sample.finish_reason == "cancelled":
+                    assert sample.token_ids == expected[: len(sample.token_ids)], out.request_id
+                else:
+                    assert sample.token_ids == expected, (out.request_id, i)
+        cache = engine.cache
+        held = cache.allocator.num_used if cache.name == "paged" else len(cache.region_of)
+        assert held == 0, f"{held} blocks still held after every request finished"
+
+
+def test_engine_state_machine(tiny_model):
+    EngineMachine.model = tiny_model
+    EngineMachine.oracle = Oracle(tiny_model)
+    profile = settings(
+        max_examples=EXAMPLES or 40,
+        stateful_step_count=50,
+        deadline=None,
+        derandomize=not SOAK,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    EngineMachine.TestCase.settings = profile
+    EngineMachine.TestCase().runTest()
+    print("engine state machine:", EngineMachine.counts)  # pytest -s shows the figures
