@@ -75,8 +75,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 B = importlib.import_module("kvlab.kernels.bench")
 
 
-def decode_args(lens, shape, kv_dtype, dtype, device, block_size=16, pool=None, seed=0):
-    return B.decode_inputs(lens, shape, kv_dtype, dtype, device, block_size, pool, seed)
+def decode_args(lens, shape, kv_codec, dtype, device, block_size=16, pool=None, seed=0):
+    return B.decode_inputs(lens, shape, kv_codec, dtype, device, block_size, pool, seed)
 
 
 def bench_ms(fn, quick: bool) -> float:
@@ -114,8 +114,8 @@ def correctness(quick: bool) -> dict:
     out = {"decode_attention": [], "kv_write": []}
     for name, (lens, shape, block_size) in cases.items():
         for dtype in dtypes:
-            for kv_dtype in CODECS:
-                args = decode_args(lens, shape, kv_dtype, dtype, device, block_size)
+            for kv_codec in CODECS:
+                args = decode_args(lens, shape, kv_codec, dtype, device, block_size)
                 ref = K.paged_decode_attention_ref(*args).float()
                 for splits in (1, None):
                     got = K.paged_decode_attention_triton(*args, splits).float()
@@ -125,7 +125,7 @@ def correctness(quick: bool) -> dict:
                         {
                             "case": name,
                             "dtype": str(dtype).removeprefix("torch."),
-                            "kv_dtype": kv_dtype or "model dtype",
+                            "kv_codec": kv_codec or "model dtype",
                             "num_splits": splits or "auto",
                             "max_abs_err": err,
                             "ref_max_abs": size,
@@ -135,7 +135,7 @@ def correctness(quick: bool) -> dict:
                     )
     tokens = 12 if quick else 4096
     shape = SHAPES["llama3-8b"] if not quick else (4, 2, 16)
-    for kv_dtype in (*CODECS, "fp16", "bf16"):
+    for kv_codec in (*CODECS, "fp16", "bf16"):
         g = torch.Generator(device=device).manual_seed(7)
         dtype = torch.float32 if quick else torch.bfloat16
         k, v = (
@@ -145,15 +145,15 @@ def correctness(quick: bool) -> dict:
         slots = torch.randperm(2 * tokens, device=device)[:tokens]
         results = []
         for write in (K.kv_write_ref, K.kv_write_triton):
-            store = B.storage_dtype(kv_dtype, dtype)
+            store = B.storage_dtype(kv_codec, dtype)
             caches = [torch.zeros(2 * tokens, *shape[1:], dtype=store, device=device) for _ in "kv"]
             scales = [
                 torch.zeros(2 * tokens, shape[1], dtype=torch.bfloat16, device=device) for _ in "kv"
             ]
-            write(k, v, *caches, slots, *scales, kv_dtype)
+            write(k, v, *caches, slots, *scales, kv_codec)
             results.append(caches + scales)
         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*results))
-        out["kv_write"].append({"kv_dtype": kv_dtype or "model dtype", "bitwise_equal": same})
+        out["kv_write"].append({"kv_codec": kv_codec or "model dtype", "bitwise_equal": same})
     return out
 
 
@@ -163,16 +163,16 @@ def tuning(quick: bool) -> list[dict]:
     device = "cuda" if CUDA else "cpu"
     lens, shape = ([64] * 2, (4, 2, 16)) if quick else ([4096] * 32, SHAPES["smollm2-135m"])
     rows = []
-    for kv_dtype, dtype in (
+    for kv_codec, dtype in (
         (None, torch.bfloat16),
         ("int8", torch.bfloat16),
         ("fp8_e4m3", torch.bfloat16),
     ):
         if quick:
             dtype = torch.float32
-        args = decode_args(lens, shape, kv_dtype, dtype, device)
+        args = decode_args(lens, shape, kv_codec, dtype, device)
         moved = bytes_moved(args)
-        tiles = (16,) if quick else ((32, 64, 128) if kv_dtype is None else (64, 128))
+        tiles = (16,) if quick else ((32, 64, 128) if kv_codec is None else (64, 128))
         configs = [
             {"tile": t, "num_warps": w, "num_stages": s, "num_splits": None}
             for t in tiles
@@ -182,7 +182,7 @@ def tuning(quick: bool) -> list[dict]:
         best = None
         for config in configs:
             ms = bench_ms(lambda c=config, a=args: K.paged_decode_attention_triton(*a, **c), quick)
-            row = {"kv_dtype": kv_dtype or "bf16", **config, "ms": ms, "gb_s": moved / ms / 1e6}
+            row = {"kv_codec": kv_codec or "bf16", **config, "ms": ms, "gb_s": moved / ms / 1e6}
             rows.append(row)
             best = row if best is None or ms < best["ms"] else best
         for splits in (1, 2) if quick else (1, 2, 4, 8, 16):
@@ -192,7 +192,7 @@ def tuning(quick: bool) -> list[dict]:
             }
             ms = bench_ms(lambda c=config, a=args: K.paged_decode_attention_triton(*a, **c), quick)
             rows.append(
-                {"kv_dtype": kv_dtype or "bf16", **config, "ms": ms, "gb_s": moved / ms / 1e6}
+                {"kv_codec": kv_codec or "bf16", **config, "ms": ms, "gb_s": moved / ms / 1e6}
             )
     return rows
 
@@ -200,7 +200,7 @@ def tuning(quick: bool) -> list[dict]:
 def best_configs(rows: list[dict]) -> dict:
     best: dict = {}
     for row in rows:
-        key = row["kv_dtype"]
+        key = row["kv_codec"]
         if key not in best or row["ms"] < best[key]["ms"]:
             best[key] = row
     return {
@@ -223,20 +223,20 @@ def bandwidth_sweep(quick: bool, copy_gb_s: float, best: dict, deadline: float) 
     dtype = torch.float32 if quick else torch.bfloat16
     rows = []
     for shape_name, (shape, codecs) in plan.items():
-        for kv_dtype in codecs:
+        for kv_codec in codecs:
             most = max(contexts) * max(batches)
-            pool = random_pool(most, *shape[1:], kv_dtype, dtype, device)
-            config = best.get(kv_dtype or "bf16", {})
+            pool = random_pool(most, *shape[1:], kv_codec, dtype, device)
+            config = best.get(kv_codec or "bf16", {})
             for context in contexts:
                 for batch in batches:
                     if time.monotonic() > deadline:
                         rows.append({"shape": shape_name, "skipped": "time budget"})
                         return rows
-                    args = decode_args([context] * batch, shape, kv_dtype, dtype, device, pool=pool)
+                    args = decode_args([context] * batch, shape, kv_codec, dtype, device, pool=pool)
                     moved = bytes_moved(args)
                     row = {
                         "shape": shape_name,
-                        "kv_dtype": kv_dtype or str(dtype).removeprefix("torch."),
+                        "kv_codec": kv_codec or str(dtype).removeprefix("torch."),
                         "context": context,
                         "batch": batch,
                         "bytes": moved,
@@ -276,8 +276,8 @@ class IdTokenizer:
 
 def engine_vs_hf(quick: bool, model_path: str | None) -> dict:
     import kvlab
-    from kvlab.kernel_attention import KernelAttention
-    from kvlab.peers import hf_generate
+    from kvlab.experiments.peers import hf_generate
+    from kvlab.model.kernel_attention import KernelAttention
 
     device = "cuda" if CUDA else "cpu"
     try:
@@ -421,7 +421,7 @@ def headline(report: dict) -> dict:
     if isinstance(corr, dict) and "decode_attention" in corr:
         worst: dict = {}
         for row in corr["decode_attention"]:
-            key = f"{row['kv_dtype']} ({row['dtype']})"
+            key = f"{row['kv_codec']} ({row['dtype']})"
             worst[key] = max(worst.get(key, 0.0), row["max_abs_err"])
         h["max_abs_err_kernel_vs_reference"] = worst
         h["all_correct"] = all(r["pass"] for r in corr["decode_attention"]) and all(
@@ -432,7 +432,7 @@ def headline(report: dict) -> dict:
     at4k = [r for r in rows if r["context"] == 4096 and r["batch"] >= 32 and key in r]
     if at4k:
         h["decode_frac_of_copy_at_4k_batch_ge_32"] = {
-            f"{r['shape']} {r['kv_dtype']} B={r['batch']}": round(r[key], 3) for r in at4k
+            f"{r['shape']} {r['kv_codec']} B={r['batch']}": round(r[key], 3) for r in at4k
         }
     engine = report.get("engine_vs_hf", {})
     if "hf-generate_tok_s" in engine:

@@ -19,7 +19,7 @@ import torch
 
 import kvlab
 from kvlab import workloads
-from kvlab.peers import hf_generate
+from kvlab.experiments.peers import hf_generate
 
 BUDGET_TOKENS = 4 * 8192
 

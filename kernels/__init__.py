@@ -3,7 +3,7 @@
 Each kernel sits beside a pure-torch reference with the same signature; the dispatcher
 (`dispatch.py`) runs Triton on CUDA and the reference elsewhere, and $KVLAB_KERNELS or a
 `backend=` argument overrides it (on CPU the kernels then run under Triton's interpreter).
-The torch path in `kvlab.attention` stays the reference the whole engine is checked against.
+The torch path in `kvlab.model.attention` stays the reference the whole engine is checked against.
 
     decode_attention.py  paged decode attention: GQA, block-table walk, split-K, fused
                          int8/fp8 dequantization

@@ -17,17 +17,17 @@ from .kv_codes import SCALED
 STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
-def storage_dtype(kv_dtype: str | None, dtype: torch.dtype) -> torch.dtype:
+def storage_dtype(kv_codec: str | None, dtype: torch.dtype) -> torch.dtype:
     """The pool's element type for a codec: the model's dtype, fp16/bf16, int8, or uint8
     (fp8 bits)."""
-    return dtype if kv_dtype is None else STORAGE.get(kv_dtype, torch.uint8)
+    return dtype if kv_codec is None else STORAGE.get(kv_codec, torch.uint8)
 
 
-def random_pool(slots, kv_heads, dim, kv_dtype, dtype, device, seed=0):
+def random_pool(slots, kv_heads, dim, kv_codec, dtype, device, seed=0):
     """((k_cache, v_cache), (k_scale, v_scale)) of `slots` slots, encoded by the reference
     write from Gaussian K/V whose magnitude varies per token and head."""
     g = torch.Generator(device=device).manual_seed(seed)
-    store = storage_dtype(kv_dtype, dtype)
+    store = storage_dtype(kv_codec, dtype)
     caches = [torch.empty(slots, kv_heads, dim, dtype=store, device=device) for _ in range(2)]
     scales = [torch.empty(slots, kv_heads, dtype=torch.bfloat16, device=device) for _ in range(2)]
     step = 1 << 16
@@ -39,7 +39,7 @@ def random_pool(slots, kv_heads, dim, kv_dtype, dtype, device, seed=0):
             for _ in range(2)
         )
         where = torch.arange(first, first + n, device=device)
-        kv_write_ref(k, v, *caches, where, *scales, kv_dtype)
+        kv_write_ref(k, v, *caches, where, *scales, kv_codec)
     return tuple(caches), tuple(scales)
 
 
@@ -59,26 +59,26 @@ def random_tables(lens, block_size, num_blocks, device, seed=0):
     return tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 
-def decode_inputs(lens, shape, kv_dtype, dtype, device, block_size=16, pool=None, seed=0):
+def decode_inputs(lens, shape, kv_codec, dtype, device, block_size=16, pool=None, seed=0):
     """Positional arguments of paged_decode_attention for contexts `lens` and a layer of
     `shape` = (heads, kv_heads, head_dim), over `pool` (random_pool) or a fresh one."""
     heads, kv_heads, dim = shape
     if pool is None:
         slots = sum(math.ceil(n / block_size) for n in lens) * block_size
-        pool = random_pool(slots, kv_heads, dim, kv_dtype, dtype, device, seed)
+        pool = random_pool(slots, kv_heads, dim, kv_codec, dtype, device, seed)
     (kc, vc), (ks, vs) = pool
     tables, ctx = random_tables(lens, block_size, kc.shape[0] // block_size, device, seed)
     g = torch.Generator(device=device).manual_seed(seed + 1)
     q = torch.randn(len(lens), heads, dim, generator=g, device=device, dtype=dtype)
-    return (q, kc, vc, tables, ctx, dim**-0.5, block_size, ks, vs, kv_dtype)
+    return (q, kc, vc, tables, ctx, dim**-0.5, block_size, ks, vs, kv_codec)
 
 
 def bytes_moved(args: tuple) -> int:
     """Bytes one decode call must move at least: every context token's K and V (and their
     scales) once, the queries in, the output out, the block tables."""
-    q, kc, _, tables, ctx, _, _, ks, _, kv_dtype = args
+    q, kc, _, tables, ctx, _, _, ks, _, kv_codec = args
     per_token = 2 * kc.shape[1] * kc.shape[2] * kc.element_size()
-    if kv_dtype in SCALED:
+    if kv_codec in SCALED:
         per_token += 2 * ks.shape[1] * ks.element_size()
     return int(ctx.sum()) * per_token + 2 * q.numel() * q.element_size() + tables.numel() * 4
 

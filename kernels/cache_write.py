@@ -39,13 +39,13 @@ def kv_write_ref(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kv_dtype: str | None = None,
+    kv_codec: str | None = None,
 ) -> None:
     """Plain torch: encode like kvlab.cache.codecs, then index_copy_ into the slots."""
-    _check(k, k_cache, k_scale, kv_dtype)
+    _check(k, k_cache, k_scale, kv_codec)
     slots = slot_mapping.long()
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        codes, s = encode_ref(x, kv_dtype, cache.dtype)
+        codes, s = encode_ref(x, kv_codec, cache.dtype)
         cache.index_copy_(0, slots, codes)
         if s is not None:
             scales.index_copy_(0, slots, s)
@@ -125,16 +125,16 @@ def kv_write_triton(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kv_dtype: str | None = None,
+    kv_codec: str | None = None,
 ) -> None:
     """The Triton kernel: same arguments and result as kv_write_ref."""
-    _check(k, k_cache, k_scale, kv_dtype)
+    _check(k, k_cache, k_scale, kv_codec)
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
     if k.stride() != v.stride() or k.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    scaled = kv_dtype in SCALED
+    scaled = kv_codec in SCALED
     if v_cache.stride() != k_cache.stride() or (scaled and v_scale.stride() != k_scale.stride()):
         raise ValueError("the K and V caches (and their scales) need the same strides")
     ks = k_scale if scaled else k_cache  # any tensor: the kernel never touches it
@@ -158,24 +158,24 @@ def kv_write_triton(
         KVH_PAD=triton.next_power_of_2(heads),
         D=dim,
         D_PAD=triton.next_power_of_2(dim),
-        CODEC=codec_id(kv_dtype),
-        TOP=TOPS.get(kv_dtype, 1.0),
+        CODEC=codec_id(kv_codec),
+        TOP=TOPS.get(kv_codec, 1.0),
         num_warps=1,
     )
 
 
 def _check(
-    k: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, kv_dtype: str | None
+    k: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, kv_codec: str | None
 ) -> None:
-    codec_id(kv_dtype)
+    codec_id(kv_codec)
     if cache.dim() != 3 or cache.shape[1:] != k.shape[1:] or cache.stride(-1) != 1:
         raise ValueError(
             f"cache of shape {tuple(cache.shape)} must be (num_slots, {k.shape[1]}, "
             f"{k.shape[2]}) with a contiguous last dim, like the new K/V {tuple(k.shape)}"
         )
-    if kv_dtype in SCALED:
+    if kv_codec in SCALED:
         if scales is None or scales.dtype != torch.bfloat16:
-            raise ValueError(f"kv_dtype={kv_dtype!r} needs bf16 scales (num_slots, kv_heads)")
-        want = torch.int8 if kv_dtype == "int8" else torch.uint8
+            raise ValueError(f"kv_codec={kv_codec!r} needs bf16 scales (num_slots, kv_heads)")
+        want = torch.int8 if kv_codec == "int8" else torch.uint8
         if cache.dtype != want:
-            raise ValueError(f"kv_dtype={kv_dtype!r} stores {want} codes, not {cache.dtype}")
+            raise ValueError(f"kv_codec={kv_codec!r} stores {want} codes, not {cache.dtype}")

@@ -51,7 +51,7 @@ def paged_decode_attention_ref(
     block_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kv_dtype: str | None = None,
+    kv_codec: str | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Plain torch: gather every context slot, decode like kvlab.cache.codecs, softmax.
@@ -60,7 +60,7 @@ def paged_decode_attention_ref(
     itself runs in fp32. `num_splits` is accepted for the kernel's signature and
     ignored: splitting changes the order of the sums, not the result.
     """
-    _check(q, k_cache, v_cache, k_scale, block_tables, kv_dtype)
+    _check(q, k_cache, v_cache, k_scale, block_tables, kv_codec)
     k_cache, v_cache = _flat(k_cache), _flat(v_cache)
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -73,8 +73,8 @@ def paged_decode_attention_ref(
 
     def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         codes = cache[slots]  # (B, S, kv_heads, head_dim)
-        s = scales[slots] if kv_dtype in SCALED else None  # (B, S, kv_heads)
-        x = decode_ref(codes, s, kv_dtype, q.dtype).float()
+        s = scales[slots] if kv_codec in SCALED else None  # (B, S, kv_heads)
+        x = decode_ref(codes, s, kv_codec, q.dtype).float()
         x = torch.where(valid[:, :, None, None], x, 0.0)  # whatever sits in slot 0
         return x.repeat_interleave(heads // kv_heads, dim=2)  # (B, S, heads, head_dim)
 
@@ -262,7 +262,7 @@ def paged_decode_attention_triton(
     block_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kv_dtype: str | None = None,
+    kv_codec: str | None = None,
     num_splits: int | None = None,
     *,
     tile: int | None = None,
@@ -275,7 +275,7 @@ def paged_decode_attention_triton(
     longest context without reading context_lens back to the host. `tile`, `num_warps`,
     `num_stages` are tuning knobs (benchmarks/gpu_check.py sweeps them).
     """
-    _check(q, k_cache, v_cache, k_scale, block_tables, kv_dtype)
+    _check(q, k_cache, v_cache, k_scale, block_tables, kv_codec)
     k_cache, v_cache = _flat(k_cache), _flat(v_cache)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -285,9 +285,9 @@ def paged_decode_attention_triton(
     span = block_tables.shape[1] * block_size  # >= every context length
     splits = num_splits or auto_splits(batch, kv_heads, span, q.device)
     if tile is None:
-        tile = 64 if kv_dtype in SCALED else 32
+        tile = 64 if kv_codec in SCALED else 32
     chunk = triton.cdiv(triton.cdiv(span, splits), tile) * tile
-    scaled = kv_dtype in SCALED
+    scaled = kv_codec in SCALED
     ks = k_scale if scaled else k_cache  # any tensor: the kernel never reads it
     vs = v_scale if scaled else v_cache
     out = torch.empty_like(q)
@@ -326,7 +326,7 @@ def paged_decode_attention_triton(
         D_PAD=max(16, triton.next_power_of_2(dim)),
         BLOCK_SIZE=block_size,
         TILE=tile,
-        CODEC=codec_id(kv_dtype),
+        CODEC=codec_id(kv_codec),
         SPLIT=splits > 1,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
@@ -397,9 +397,9 @@ def _check(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     block_tables: torch.Tensor,
-    kv_dtype: str | None,
+    kv_codec: str | None,
 ) -> None:
-    codec_id(kv_dtype)
+    codec_id(kv_codec)
     cache = _flat(k_cache)
     if q.dim() != 3 or cache.dim() != 3 or q.shape[2] != cache.shape[2]:
         raise ValueError(
@@ -412,5 +412,5 @@ def _check(
         raise ValueError(f"heads={q.shape[1]} is not a multiple of kv_heads={cache.shape[1]}")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} must be (B={q.shape[0]}, n)")
-    if kv_dtype in SCALED and (k_scale is None or k_scale.dtype != torch.bfloat16):
-        raise ValueError(f"kv_dtype={kv_dtype!r} needs bf16 scales (num_slots, kv_heads)")
+    if kv_codec in SCALED and (k_scale is None or k_scale.dtype != torch.bfloat16):
+        raise ValueError(f"kv_codec={kv_codec!r} needs bf16 scales (num_slots, kv_heads)")

@@ -75,7 +75,7 @@ def paged_decode_attention(
     block_size: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kv_dtype: str | None = None,
+    kv_codec: str | None = None,
     num_splits: int | None = None,
     *,
     backend: str | None = None,
@@ -85,7 +85,7 @@ def paged_decode_attention(
     See kvlab.kernels.decode_attention for the shapes; `backend` as in this module.
     """
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, block_size)
-    args += (k_scale, v_scale, kv_dtype, num_splits)
+    args += (k_scale, v_scale, kv_codec, num_splits)
     if choose_backend(q.device, backend) == "torch":
         from .decode_attention import paged_decode_attention_ref
 
@@ -101,12 +101,12 @@ def kv_write(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kv_dtype: str | None = None,
+    kv_codec: str | None = None,
     *,
     backend: str | None = None,
 ) -> None:
     """Scatter (and quantize) new K/V into their slots. See kvlab.kernels.cache_write."""
-    args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, kv_dtype)
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, kv_codec)
     if choose_backend(k.device, backend) == "torch":
         from .cache_write import kv_write_ref
 

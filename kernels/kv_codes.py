@@ -31,38 +31,38 @@ TOPS = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 BF16_TINY = torch.finfo(torch.bfloat16).tiny  # smallest normal bf16: a scale never flushes
 
 
-def codec_id(kv_dtype: str | None) -> int:
-    if kv_dtype not in CODEC_IDS:
+def codec_id(kv_codec: str | None) -> int:
+    if kv_codec not in CODEC_IDS:
         raise ValueError(
-            f"kv_dtype={kv_dtype!r} has no kernel; kernels handle {list(CODEC_IDS)} "
+            f"kv_codec={kv_codec!r} has no kernel; kernels handle {list(CODEC_IDS)} "
             "(int4 and kivi2 stay on the torch path)"
         )
-    return CODEC_IDS[kv_dtype]
+    return CODEC_IDS[kv_codec]
 
 
 # --- torch: the reference encode / decode (what kvlab.cache.codecs does) -----------------
-def encode_ref(x: torch.Tensor, kv_dtype: str | None, storage: torch.dtype):
+def encode_ref(x: torch.Tensor, kv_codec: str | None, storage: torch.dtype):
     """(T, kv_heads, head_dim) -> (codes in `storage`, bf16 scales (T, kv_heads) or None)."""
-    if kv_dtype not in SCALED:
+    if kv_codec not in SCALED:
         return x.to(storage), None
-    top = TOPS[kv_dtype]
+    top = TOPS[kv_codec]
     x = x.float()
     s = (x.abs().amax(-1) / top).clamp(min=BF16_TINY)
     s = torch.where(x.abs().amax(-1) > 0, s, 0.0).to(SCALE_DTYPE)  # (T, kv_heads)
     sf = s.float()[..., None]
     y = torch.where(sf > 0, x / sf, 0.0)
-    if kv_dtype == "int8":
+    if kv_codec == "int8":
         return y.round().clamp(-127, 127).to(torch.int8), s
-    return y.clamp(-top, top).to(FP8_DTYPES[kv_dtype]).view(torch.uint8), s
+    return y.clamp(-top, top).to(FP8_DTYPES[kv_codec]).view(torch.uint8), s
 
 
 def decode_ref(
-    codes: torch.Tensor, scales: torch.Tensor | None, kv_dtype: str | None, dtype: torch.dtype
+    codes: torch.Tensor, scales: torch.Tensor | None, kv_codec: str | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of encode_ref, into `dtype`: codes (..., head_dim), scales (...)."""
-    if kv_dtype not in SCALED:
+    if kv_codec not in SCALED:
         return codes.to(dtype)
-    values = codes.float() if kv_dtype == "int8" else codes.view(FP8_DTYPES[kv_dtype]).float()
+    values = codes.float() if kv_codec == "int8" else codes.view(FP8_DTYPES[kv_codec]).float()
     return (values * scales.float()[..., None]).to(dtype)
 
 

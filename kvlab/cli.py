@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 
-from kvlab.config import CACHE_KINDS, EngineConfig, SamplingParams
-from kvlab.planner import KV_DTYPES as PLAN_KV_DTYPES
-from kvlab.planner import WEIGHT_DTYPES
+from kvlab.cache import CACHES
+from kvlab.config import EngineConfig, SamplingParams
+from kvlab.experiments.configs import DEFAULT_CONFIGS, options
+from kvlab.planner import WEIGHT_DTYPES, kv_formats
+from kvlab.units import MiB
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--cache", default="naive", choices=CACHE_KINDS)
+    gen.add_argument("--cache", default="naive", choices=CACHES.names())
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--kv-budget-tokens", type=int, default=None)
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
@@ -41,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument(
         "--configs",
-        default="naive,paged,paged+prefix,paged+prefix+int8",
-        help="comma-separated config names: naive | paged, then +prefix, +radix, +int8, "
-        "+fp8_e4m3, +int4, +kivi2, +chunked, +watermark, +swap, +static, +bsN",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated config names: a cache ({' | '.join(CACHES.names())}), then "
+        f"options: {', '.join('+' + o for o in options())}, +bsN (block size N)",
     )
     cmp.add_argument(
         "--budget",
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory", default="80GiB", help="accelerator memory, e.g. 80GiB, 24GB")
     plan.add_argument("--weight-dtype", default="bf16", choices=list(WEIGHT_DTYPES))
     plan.add_argument(
-        "--kv-dtype", default=None, choices=list(PLAN_KV_DTYPES), help="default: weights' dtype"
+        "--kv-codec", default=None, choices=list(kv_formats()), help="default: weights' dtype"
     )
     plan.add_argument("--context", type=int, default=4096, help="tokens per sequence")
     plan.add_argument("--block-size", type=int, default=16)
@@ -144,7 +146,7 @@ def _model_and_budget(args: argparse.Namespace, configs: list[str]):
     """Check the config names (a bad one fails before the model loads), then load the
     model and read --budget (None: the command's default)."""
     import kvlab
-    from kvlab.compare import model_bytes_per_token, parse_budget, parse_config
+    from kvlab.experiments.configs import model_bytes_per_token, parse_budget, parse_config
 
     for name in configs:
         parse_config(name)
@@ -190,7 +192,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from kvlab.compare import compare
+    from kvlab.experiments.compare import compare
 
     requests = _load_workload(args)
     configs = _split(args.configs)
@@ -214,15 +216,15 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         print(
             f"{args.workload}: {len(requests)} requests, KV budget "
-            f"{result.budget_bytes / 2**20:.1f} MiB, max_model_len {result.max_model_len}"
+            f"{result.budget_bytes / MiB:.1f} MiB, max_model_len {result.max_model_len}"
         )
         print(result.table().astype(object).T.to_string())
     return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvlab.bench import PEERS
-    from kvlab.bench import run_bench as bench
+    from kvlab.experiments.bench import PEERS
+    from kvlab.experiments.bench import run_bench as bench
 
     requests = _load_workload(args)
     peers, configs = _split(args.peers), _split(args.configs)
@@ -263,7 +265,7 @@ def run_plan(args: argparse.Namespace) -> int:
     options = dict(
         memory=args.memory,
         weight_dtype=args.weight_dtype,
-        kv_dtype=args.kv_dtype,
+        kv_codec=args.kv_codec,
         context_len=args.context,
         block_size=args.block_size,
         max_model_len=args.max_model_len,

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-CACHE_KINDS = ("naive", "paged")
-PREFIX_CACHING = (None, "hash", "radix")
-BATCHING_MODES = ("continuous", "static")
-SCHEDULE_ORDERS = ("prefill-first", "decode-first")
-ADMISSION_POLICIES = ("reserve", "watermark")
-PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("torch", "kernels")
-# KV storage codecs (kvlab/cache/codecs.py); None keeps the model's dtype.
-KV_DTYPES = ("fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2")
+# The fixed choices. The variants (cache kinds, prefix indexes, KV codecs) are registered
+# parts: see kvlab.cache.CACHES, kvlab.cache.prefix.PREFIX_INDEXES, kvlab.cache.codecs.CODECS.
+Batching = Literal["continuous", "static"]
+ScheduleOrder = Literal["prefill-first", "decode-first"]
+Admission = Literal["reserve", "watermark"]
+Preemption = Literal["recompute", "swap"]
+AttentionBackend = Literal["torch", "kernels"]
 
 # Default KV budget when neither kv_budget_bytes nor kv_budget_tokens is given:
 # four sequences of 8k tokens, ~1.4 GiB for SmolLM2-135M in fp32.
@@ -65,12 +64,12 @@ class EngineConfig:
             sequence's stale state would show up as NaN output.
         record_block_map: keep, for every step, which request owns each physical block
             (for block-map plots; costs one list of num_blocks ints per step).
-        kv_dtype: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
+        kv_codec: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
             "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
             count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
     """
 
-    cache: str = "naive"
+    cache: str = "naive"  # a name in kvlab.cache.CACHES
     block_size: int = 16
     prefix_caching: str | None = None
     max_model_len: int | None = None
@@ -79,38 +78,45 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     chunked_prefill: bool = False
-    schedule_order: str = "prefill-first"
-    admission: str = "reserve"
+    schedule_order: ScheduleOrder = "prefill-first"
+    admission: Admission = "reserve"
     watermark: float = 0.01
-    preemption: str = "recompute"
-    batching: str = "continuous"
-    attention: str = "torch"
+    preemption: Preemption = "recompute"
+    batching: Batching = "continuous"
+    attention: AttentionBackend = "torch"
     poison_freed: bool = False
     record_block_map: bool = False
-    kv_dtype: str | None = None
+    kv_codec: str | None = None
 
     def __post_init__(self) -> None:
+        from kvlab.cache import CACHES, PREFIX_INDEXES
+        from kvlab.cache.codecs import CODECS
+
+        cache = CACHES[self.cache]  # each registry's error names the field and the choices
+        if self.prefix_caching is not None:
+            PREFIX_INDEXES[self.prefix_caching]
+            _require(
+                cache.shares_prefixes,
+                f"EngineConfig.prefix_caching={self.prefix_caching!r} needs cache="
+                + " or ".join(map(repr, _capable(CACHES, "shares_prefixes"))),
+            )
+        CODECS[self.kv_codec]
+        for name, choices in (
+            ("batching", Batching),
+            ("schedule_order", ScheduleOrder),
+            ("admission", Admission),
+            ("preemption", Preemption),
+            ("attention", AttentionBackend),
+        ):
+            value = getattr(self, name)
+            _require(
+                value in get_args(choices),
+                f"EngineConfig.{name}={value!r} is unknown; choose one of {get_args(choices)}",
+            )
         _require(
-            self.cache in CACHE_KINDS,
-            f"EngineConfig.cache={self.cache!r} is unknown; choose one of {CACHE_KINDS}",
-        )
-        _require(
-            self.prefix_caching in PREFIX_CACHING,
-            f"EngineConfig.prefix_caching={self.prefix_caching!r} is unknown; "
-            f"choose one of {PREFIX_CACHING}",
-        )
-        _require(
-            self.prefix_caching is None or self.cache == "paged",
-            f"EngineConfig.prefix_caching={self.prefix_caching!r} needs cache='paged'",
-        )
-        _require(
-            self.batching in BATCHING_MODES,
-            f"EngineConfig.batching={self.batching!r} is unknown; choose one of {BATCHING_MODES}",
-        )
-        _require(
-            self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
-            f"EngineConfig.kv_dtype={self.kv_dtype!r} is unknown; choose None or one of "
-            f"{KV_DTYPES}",
+            self.admission in cache.admissions,
+            f"EngineConfig.admission={self.admission!r} needs cache='paged' "
+            f"(cache={self.cache!r} implements {cache.admissions})",
         )
         _require(
             self.kv_budget_bytes is None or self.kv_budget_tokens is None,
@@ -119,27 +125,16 @@ class EngineConfig:
         for name in ("max_model_len", "kv_budget_bytes", "kv_budget_tokens"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"EngineConfig.{name}={value} must be > 0")
-        for name, choices in (
-            ("schedule_order", SCHEDULE_ORDERS),
-            ("admission", ADMISSION_POLICIES),
-            ("preemption", PREEMPTION_MODES),
-            ("attention", ATTENTION_BACKENDS),
-        ):
-            value = getattr(self, name)
-            _require(
-                value in choices,
-                f"EngineConfig.{name}={value!r} is unknown; choose one of {choices}",
-            )
-        _require(
-            self.admission == "reserve" or self.cache == "paged",
-            f"EngineConfig.admission={self.admission!r} needs cache='paged'",
-        )
         _require(
             0 <= self.watermark < 1, f"EngineConfig.watermark={self.watermark} must be in [0, 1)"
         )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
+
+
+def _capable(registry, capability: str) -> tuple:
+    return tuple(name for name, part in registry.items() if getattr(part, capability))
 
 
 @dataclass

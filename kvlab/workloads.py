@@ -164,6 +164,14 @@ def load_workload(name_or_path: str | Path, **kwargs) -> list[Request]:
 _DEFAULTS = {"arrival_s": 0.0, "salt": None, "priority": 0}
 
 
+def encode_requests(model, requests: list[Request]) -> list[Request]:
+    """The same requests with token-id prompts (the engine's encoding of each), so every
+    system under comparison sees identical tokens. `model`: a kvlab LoadedModel."""
+    from kvlab.model.prompts import encode_prompt
+
+    return [replace(r, prompt=encode_prompt(model.tokenizer, r.prompt)) for r in requests]
+
+
 def write_jsonl(requests: list[Request], path: str | Path) -> None:
     """Write one JSON object per request; optional fields at their default are left out."""
     with open(path, "w", encoding="utf-8") as f:

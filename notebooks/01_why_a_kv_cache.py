@@ -39,7 +39,7 @@ import torch
 
 import kvlab
 from kvlab import texts
-from kvlab.why_cache import compare_decoding, weight_bytes
+from kvlab.experiments.why_cache import compare_decoding, weight_bytes
 
 pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
@@ -71,7 +71,7 @@ print("generated token ids:", out.token_ids, f"(finished by {out.finish_reason})
 # * **KV cache**: store each token's K/V the first time, and for every later token run the
 #   model over just that one token.
 #
-# `kvlab.why_cache.compare_decoding` does both on the same prompt (a paragraph of the
+# `kvlab.experiments.why_cache.compare_decoding` does both on the same prompt (a paragraph of the
 # held-out text) and times every generated token.
 
 # %%

@@ -45,7 +45,7 @@ import torch
 
 import kvlab
 from kvlab import workloads
-from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_figure, summarize
+from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_panels, occupancy_table
 
 pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
@@ -133,7 +133,7 @@ print("answer to request 0:", repr(outputs["paged"][0].text))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-memory_figure(stats, x="step").show()
+memory_panels(stats, x="step").show()
 
 # %% [markdown]
 # ## 4 · The numbers
@@ -142,7 +142,7 @@ memory_figure(stats, x="step").show()
 # and blocks (the naive cache's "blocks" are its 2,048-slot regions):
 
 # %%
-print(summarize(stats).to_string())
+print(occupancy_table(stats).to_string())
 
 # %% [markdown]
 # Why paging wins, in two lines. A sequence holding *n* tokens of KV leaves unwritten

@@ -44,6 +44,7 @@ import torch
 
 import kvlab
 from kvlab import texts
+from kvlab.experiments import sharing
 from kvlab.viz import prefix as viz
 
 pio.renderers.default = "plotly_mimetype"
@@ -77,7 +78,7 @@ config = kvlab.EngineConfig(
 )
 engine = kvlab.Engine(model, config)
 ids_a, ids_b = engine.encode(prompt_a), engine.encode(prompt_b)
-shared = viz.common_prefix(ids_a, ids_b)
+shared = sharing.common_prefix(ids_a, ids_b)
 print(f"A: {len(ids_a)} prompt tokens, B: {len(ids_b)} prompt tokens")
 print(f"identical first tokens: {shared} (chat template + preamble), = {shared / 16:.2f} blocks")
 
@@ -127,9 +128,9 @@ viz.block_table_figure(
 # found in the cache, tokens actually run through the model.
 
 # %%
-viz.drain(engine)
+sharing.drain(engine)
 for name, rid in (("A", a), ("B", b)):
-    out = viz.output_of(engine, rid)
+    out = sharing.output_of(engine, rid)
     hit, total = out.metrics.prefix_hit_tokens, len(out.prompt_token_ids)
     print(f"{name}: {total} prompt tokens, {hit} from the cache, {total - hit} computed")
 columns = ["step", "phase", "batch_seqs", "tokens", "prefix_query_tokens", "prefix_hit_tokens"]
@@ -162,12 +163,12 @@ print(f"used {alloc.num_used}, cached {alloc.num_cached}, free {alloc.num_free}"
 # Each time is a single measurement, so on a busy machine expect some noise.
 
 # %%
-prompt_q = viz.preamble_prompts(1)[0]
+prompt_q = sharing.preamble_prompts(1)[0]
 prompt_c = doc_prompt("doc16_history_of_maps", questions[2])
 warm = {
-    "Q": viz.serve(engine, prompt_q, params),
-    "B": viz.output_of(engine, b),
-    "C": viz.serve(engine, prompt_c, params),
+    "Q": sharing.serve(engine, prompt_q, params),
+    "B": sharing.output_of(engine, b),
+    "C": sharing.serve(engine, prompt_c, params),
 }
 for name, out in warm.items():
     hit, total = out.metrics.prefix_hit_tokens, len(out.prompt_token_ids)
@@ -179,7 +180,7 @@ cold_engine = kvlab.Engine(
     model, kvlab.EngineConfig(cache="paged", max_model_len=2048, kv_budget_tokens=4096)
 )
 prompts = {"Q": prompt_q, "B": prompt_b, "C": prompt_c}
-cold = {name: viz.serve(cold_engine, prompt, params) for name, prompt in prompts.items()}
+cold = {name: sharing.serve(cold_engine, prompt, params) for name, prompt in prompts.items()}
 for name in prompts:
     c, w = cold[name].metrics.ttft_s, warm[name].metrics.ttft_s
     print(f"{name}: cold {1e3 * c:7.0f} ms, warm {1e3 * w:6.0f} ms, warm/cold = {w / c:.2f}")
@@ -213,7 +214,7 @@ print({name: warm[name].token_ids == cold[name].token_ids for name in prompts})
 # we count prompt tokens computed and the peak number of KV blocks held.
 
 # %%
-explorer = viz.SharingExplorer(model, viz.preamble_prompts(16), requests=8, max_new_tokens=4)
+explorer = viz.SharingExplorer(model, sharing.preamble_prompts(16), requests=8, max_new_tokens=4)
 sharing = explorer.sweep([1, 2, 4, 8])
 print(sharing.to_string(index=False))
 
@@ -248,10 +249,10 @@ print(
 # about the same short document (those two share preamble + document).
 
 # %%
-traffic = viz.preamble_prompts(2) + [
+traffic = sharing.preamble_prompts(2) + [
     doc_prompt("doc01_library_rules", q) for q in (questions[3], questions[4])
 ]
-hits = viz.index_hits(model, traffic, block_sizes=(16, 64))
+hits = sharing.index_hits(model, traffic, block_sizes=(16, 64))
 print(hits.to_string())
 
 # %% [markdown]
@@ -278,7 +279,7 @@ print((100 * hit_rates).round(1).to_string())
 salted = kvlab.Engine(model, config)
 short = kvlab.SamplingParams(max_new_tokens=2)
 v2 = prompt_q.replace("2. Be concise.", "2. Be brief.")  # a new version of the preamble
-changed_at = viz.common_prefix(salted.encode(prompt_q), salted.encode(v2))
+changed_at = sharing.common_prefix(salted.encode(prompt_q), salted.encode(v2))
 print(f"version 2 differs from token {changed_at} on (block {changed_at // 16})")
 for tenant, prompt, note in [
     ("acme", prompt_q, "first request"),
@@ -287,7 +288,7 @@ for tenant, prompt, note in [
     (None, prompt_q, "same prompt, no salt"),
     ("acme", v2, "preamble version 2"),
 ]:
-    out = viz.serve(salted, prompt, short, salt=tenant)
+    out = sharing.serve(salted, prompt, short, salt=tenant)
     print(f"{str(tenant):7} {note:27} hit {out.metrics.prefix_hit_tokens:3} tokens")
 salted.cache.check_integrity()  # asserts, among others, that no page is shared across salts
 
@@ -303,7 +304,7 @@ salted.cache.check_integrity()  # asserts, among others, that no page is shared 
 
 # %%
 sampling = kvlab.SamplingParams(n=4, temperature=0.8, seed=0, max_new_tokens=16, ignore_eos=True)
-cow, cow_stats = viz.fork_vs_separate(model, prompt_q, sampling)
+cow, cow_stats = sharing.fork_vs_separate(model, prompt_q, sampling)
 for name, row in cow.items():
     print(f"{name:22}", {k: v for k, v in row.items() if k != "texts"})
 fork, separate = (row["peak blocks"] for row in cow.values())

@@ -39,8 +39,9 @@ import plotly.io as pio
 import torch
 
 import kvlab
-from kvlab import quality, workloads
-from kvlab.model_runner import ModelRunner
+from kvlab import workloads
+from kvlab.experiments import quality
+from kvlab.model.runner import ModelRunner
 from kvlab.viz.quantization import (
     CodecExplorer,
     capacity_figure,
@@ -59,7 +60,7 @@ runner = ModelRunner(model.hf_model)
 # %% [markdown]
 # ## 1 · Seven codecs, one interface
 #
-# `EngineConfig(kv_dtype=...)` picks how the pool stores K/V: quantize on write,
+# `EngineConfig(kv_codec=...)` picks how the pool stores K/V: quantize on write,
 # dequantize on read. Scaled codecs keep a **scale** (bfloat16, 2 bytes) beside the
 # codes: one per token per kv head (int8, fp8), one per 32 channels (int4), or, for
 # KIVI's keys, one scale and zero point *per channel* over a group of 16 tokens. The
@@ -216,7 +217,7 @@ capacity_figure(report, budget).show()
 # * Run `quality.codec_report` on more held-out text (`text_tokens=2048`) or more
 #   prompts: do the small differences between int8, fp16 and e4m3 hold?
 # * Serve a workload with `kvlab.Engine(model, kvlab.EngineConfig(cache="paged",
-#   kv_dtype="int8", kv_budget_bytes=...))` and compare `engine.stats()["running"]`
+#   kv_codec="int8", kv_budget_bytes=...))` and compare `engine.stats()["running"]`
 #   with the fp16 run: the capacity column, live.
 # * Real engines differ: vLLM's fp8 KV uses one scale per tensor (often 1.0), so values
 #   beyond fp8's range clip; that is one reason fp8 KV accuracy collapses on some models.

@@ -41,7 +41,8 @@ import plotly.io as pio
 import torch
 
 import kvlab
-from kvlab import stress, texts, workloads
+from kvlab import texts, workloads
+from kvlab.experiments import stress
 from kvlab.viz.scheduler import (
     StressExplorer,
     cost_figure,

@@ -53,7 +53,7 @@ from kvlab.kernels import bench  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import kernels  # noqa: E402
-from kvlab.kernel_attention import KernelAttention  # noqa: E402
+from kvlab.model.kernel_attention import KernelAttention  # noqa: E402
 from kvlab.viz.kernels import block_walk_figure, roofline_figure  # noqa: E402
 
 pio.renderers.default = "plotly_mimetype"
@@ -141,17 +141,17 @@ block_walk_figure(tables, lens, block_size=4, tile=4, num_splits=2, num_blocks=8
 
 
 # %%
-def kernel_vs_reference(kv_dtype, lens=(5, 13, 8), shape=(4, 2, 16), block_size=4):
-    args = bench.decode_inputs(list(lens), shape, kv_dtype, torch.float32, device, block_size)
+def kernel_vs_reference(kv_codec, lens=(5, 13, 8), shape=(4, 2, 16), block_size=4):
+    args = bench.decode_inputs(list(lens), shape, kv_codec, torch.float32, device, block_size)
     q, kc, vc, tables, ctx, scale, bs, ks, vs, _ = args
     # Re-write the pool with the Triton kernel; it must equal the reference's bytes.
     g = torch.Generator(device=device).manual_seed(1)
     k, v = (torch.randn(kc.shape, generator=g, device=device) for _ in range(2))
     slots = torch.arange(kc.shape[0], device=device)
     ref_pool = [torch.empty_like(t) for t in (kc, vc, ks, vs)]
-    kernels.kv_write_ref(k, v, ref_pool[0], ref_pool[1], slots, *ref_pool[2:], kv_dtype)
-    kernels.kv_write_triton(k, v, kc, vc, slots, ks, vs, kv_dtype)
-    compared = 4 if kv_dtype in kernels.SCALED else 2  # codes (and their scales)
+    kernels.kv_write_ref(k, v, ref_pool[0], ref_pool[1], slots, *ref_pool[2:], kv_codec)
+    kernels.kv_write_triton(k, v, kc, vc, slots, ks, vs, kv_codec)
+    compared = 4 if kv_codec in kernels.SCALED else 2  # codes (and their scales)
     written = (kc, vc, ks, vs)[:compared]
     same = all(
         torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(written, ref_pool)
@@ -166,11 +166,11 @@ def kernel_vs_reference(kv_dtype, lens=(5, 13, 8), shape=(4, 2, 16), block_size=
         .item()
         for n in (1, 2)
     }
-    return {"kv_dtype": kv_dtype or "model dtype (fp32)", "write bitwise equal": same, **errors}
+    return {"kv_codec": kv_codec or "model dtype (fp32)", "write bitwise equal": same, **errors}
 
 
 checks = pd.DataFrame([kernel_vs_reference(c) for c in (None, "int8", "fp8_e4m3", "fp8_e5m2")])
-print(checks[["kv_dtype", "write bitwise equal"]].to_string(index=False))
+print(checks[["kv_codec", "write bitwise equal"]].to_string(index=False))
 error_columns = [c for c in checks.columns if c.startswith("max")]
 print("every attention error below 1e-5:", bool((checks[error_columns] < 1e-5).all().all()))
 
@@ -192,11 +192,11 @@ print(checks.to_string(index=False))
 
 # %%
 prompt, params = "What is the capital of France?", kvlab.SamplingParams(max_new_tokens=4)
-for kv_dtype in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
+for kv_codec in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
     outputs = {}
     for path in ("torch", "kernel"):
         config = kvlab.EngineConfig(
-            cache="paged", block_size=16, max_model_len=256, kv_budget_tokens=512, kv_dtype=kv_dtype
+            cache="paged", block_size=16, max_model_len=256, kv_budget_tokens=512, kv_codec=kv_codec
         )
         engine = kvlab.Engine(model, config)
         if path == "kernel":
@@ -205,7 +205,7 @@ for kv_dtype in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
         [out] = engine.generate([prompt], params)
         outputs[path] = out.token_ids
     print(
-        f"kv_dtype={kv_dtype}: {model.tokenizer.decode(outputs['kernel'])!r}, "
+        f"kv_codec={kv_codec}: {model.tokenizer.decode(outputs['kernel'])!r}, "
         f"same tokens as torch: {outputs['kernel'] == outputs['torch']}, "
         f"kernel calls: {attention.decode_calls}"
     )
@@ -231,18 +231,18 @@ shape = (heads, kv_heads, head_dim)
 if device == "cuda":
     copy = bench.copy_bandwidth(device, 1 << 30)
     rows = []
-    for kv_dtype in (None, "int8"):
+    for kv_codec in (None, "int8"):
         for context in (512, 2048, 8192):
             for batch in (1, 8, 32):
                 args = bench.decode_inputs(
-                    [context] * batch, shape, kv_dtype, torch.bfloat16, device
+                    [context] * batch, shape, kv_codec, torch.bfloat16, device
                 )
                 ms = bench.bench_ms(
                     lambda a=args: kernels.paged_decode_attention_triton(*a), device
                 )
                 rows.append(
                     dict(
-                        series=f"Triton {kv_dtype or 'bf16'}",
+                        series=f"Triton {kv_codec or 'bf16'}",
                         bytes=bench.bytes_moved(args),
                         ms=ms,
                         context=context,
@@ -255,7 +255,7 @@ elif results.exists():
     copy = saved["copy_bandwidth"]
     rows = [
         dict(
-            series=f"{r['shape']} {r['kv_dtype']}",
+            series=f"{r['shape']} {r['kv_codec']}",
             bytes=r["bytes"],
             ms=r["tuned_ms"],
             context=r["context"],
@@ -271,18 +271,18 @@ else:
     print("plotting the CPU's torch reference, measured now, instead of the Triton kernel.")
     copy = bench.copy_bandwidth(device, 64 << 20, reps=5)
     rows = []
-    for kv_dtype in (None, "int8"):
+    for kv_codec in (None, "int8"):
         for context in (256, 1024, 4096):
             for batch in (1, 4):
                 args = bench.decode_inputs(
-                    [context] * batch, shape, kv_dtype, torch.float32, device
+                    [context] * batch, shape, kv_codec, torch.float32, device
                 )
                 ms = bench.bench_ms(
                     lambda a=args: kernels.paged_decode_attention_ref(*a), device, 5
                 )
                 rows.append(
                     dict(
-                        series=f"torch reference, {kv_dtype or 'fp32'} K/V",
+                        series=f"torch reference, {kv_codec or 'fp32'} K/V",
                         bytes=bench.bytes_moved(args),
                         ms=ms,
                         context=context,

@@ -46,9 +46,10 @@ import torch
 
 import kvlab
 from kvlab import workloads
-from kvlab.bench import BenchResult, run_bench
-from kvlab.compare import compare, encode_requests
+from kvlab.experiments.bench import BenchResult, run_bench
+from kvlab.experiments.compare import compare
 from kvlab.viz.dashboard import Dashboard
+from kvlab.workloads import encode_requests
 
 pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
@@ -73,7 +74,7 @@ print("max_new_tokens:", [r.max_new_tokens for r in requests])
 # %% [markdown]
 # ## 2 · Four designs, one budget
 #
-# `kvlab.compare.compare` serves the workload once per config. A config name is a cache
+# `kvlab.experiments.compare.compare` serves the workload once per config. A config name is a cache
 # kind and its options:
 #
 # | config | what it is |

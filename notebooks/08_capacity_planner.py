@@ -42,18 +42,18 @@ import plotly.io as pio
 import torch
 
 import kvlab
+from kvlab.experiments.capacity_check import check_against_engine
 from kvlab.planner import (
-    GIB,
     MODELS,
     ModelShape,
     activation_bytes,
     capacity_curve,
-    check_against_engine,
     gqa_vs_mha,
     kv_bytes_per_token,
     plan,
     weight_bytes,
 )
+from kvlab.units import GiB
 from kvlab.viz.planner import PlannerApp
 
 pio.renderers.default = "plotly_mimetype"
@@ -94,7 +94,7 @@ for name in MODELS:
     rows[name] = {
         "params (B)": round(p.params / 1e9, 2),
         "attention": p.attention,
-        "weights GiB": round(p.weight_bytes / GIB, 1),
+        "weights GiB": round(p.weight_bytes / GiB, 1),
         "KV bytes/token": p.kv_bytes_per_token,
         "KV tokens": p.kv_tokens,
         "paged @ 4k": p.paged_max_seqs,
@@ -124,7 +124,7 @@ print(p.summary())
 llama = ModelShape.from_config("Llama-3-8B")
 w = weight_bytes(llama, "bf16")
 a = activation_bytes(llama, "bf16", max_num_batched_tokens=4096, max_num_seqs=256)
-kv_budget = int(24 * GIB * 0.9) - w - a
+kv_budget = int(24 * GiB * 0.9) - w - a
 per_token = kv_bytes_per_token(llama, "bf16")
 tokens = kv_budget // per_token
 print(f"weights     {w:>15,} bytes  ({llama.num_params():,} params x 2)")
@@ -154,7 +154,7 @@ print(gqa_vs_mha("Llama-3-8B", memory="80GiB", context_len=8192).to_string())
 # %%
 rows = {}
 for kv in ("bf16", "fp8_e4m3", "int8", "int4", "kivi2"):
-    q = plan("Llama-3-8B", memory="80GiB", context_len=8192, kv_dtype=kv)
+    q = plan("Llama-3-8B", memory="80GiB", context_len=8192, kv_codec=kv)
     rows[kv] = {"KV bytes/token": q.kv_bytes_per_token, "sequences @ 8k": q.paged_max_seqs}
 print(pd.DataFrame.from_dict(rows, orient="index").to_string())
 
@@ -188,7 +188,7 @@ app.widget()
 # find the context at which 32 users run out of memory:
 
 # %%
-app.kv_dtype.value = "int8"
+app.kv_codec.value = "int8"
 print(
     "int8 KV:", app.plan.paged_max_seqs, "sequences at 4,096 tokens;", app.figure.layout.title.text
 )
@@ -232,7 +232,7 @@ checks = {
         model, tiny.kv_budget_bytes, 24, 8, cache="naive", max_model_len=64
     ),
     "paged+int8": check_against_engine(
-        model, tiny.kv_budget_bytes // 2, 24, 8, cache="paged", kv_dtype="int8", max_model_len=64
+        model, tiny.kv_budget_bytes // 2, 24, 8, cache="paged", kv_codec="int8", max_model_len=64
     ),
 }
 for name, check in checks.items():
@@ -256,7 +256,7 @@ assert checks["naive"].predicted == tiny.naive_max_seqs
 #   `kvlab plan --model path/to/config.json --memory 48GiB --context 8192 --users 64`.
 # * In the app, set the block size to 256 at a 300-token context: every sequence takes
 #   two blocks and wastes 212 slots. Where does it stop mattering?
-# * Compare `weight_dtype="int4"` with `kv_dtype="int4"` for Llama-3-70B on 80 GiB:
+# * Compare `weight_dtype="int4"` with `kv_codec="int4"` for Llama-3-70B on 80 GiB:
 #   which one makes room for users?
 # * Notebook 07 measures the same designs side by side on a real workload.
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvlab.bench import BenchResult, run_bench
 from kvlab.cli import main
-from kvlab.peers import choose_batch_size, hf_generate_batch
+from kvlab.experiments.bench import BenchResult, run_bench
+from kvlab.experiments.peers import choose_batch_size, hf_generate_batch
 from kvlab.workloads import Request, uniform_chat, write_jsonl
 
 SLOT = 46_080  # bytes of one token's K/V for SmolLM2-135M in fp32
@@ -86,7 +86,7 @@ def test_bench_rejects_unknown_peers(capsys):
 
 
 def test_median_ratios_summarise_every_round():
-    from kvlab.bench import SystemResult
+    from kvlab.experiments.bench import SystemResult
 
     systems = {
         "kvlab": SystemResult("kvlab", 100, 9.0, walls_s=[9.0, 12.0, 10.0]),

@@ -8,8 +8,11 @@ import pandas as pd
 import pytest
 
 from kvlab.cli import main
-from kvlab.compare import METRICS, compare, parse_budget, parse_config, prompt_ids, summarize
-from kvlab.engine import Engine
+from kvlab.engine.engine import Engine
+from kvlab.experiments.compare import compare
+from kvlab.experiments.configs import parse_budget, parse_config
+from kvlab.experiments.metrics import METRICS, run_metrics
+from kvlab.model.prompts import encode_prompt
 from kvlab.texts import chat_prompts
 from kvlab.viz.dashboard import Dashboard
 from kvlab.workloads import Request, uniform_chat, write_jsonl
@@ -19,7 +22,7 @@ SLOT = 46_080  # bytes of one token's K/V for SmolLM2-135M in fp32
 
 def test_config_names():
     config = parse_config("paged+prefix+int8", kv_budget_bytes=10**6, max_model_len=256)
-    assert (config.cache, config.prefix_caching, config.kv_dtype) == ("paged", "hash", "int8")
+    assert (config.cache, config.prefix_caching, config.kv_codec) == ("paged", "hash", "int8")
     assert config.kv_budget_bytes == 10**6 and config.max_model_len == 256
     assert parse_config("paged+radix+bs32").prefix_caching == "radix"
     assert parse_config("paged+radix+bs32").block_size == 32
@@ -54,14 +57,14 @@ def test_summarize_is_exact_on_a_known_frame():
     requests = pd.DataFrame(
         {"output_tokens": [4, 1, 5], "ttft_s": [0.1, 0.2, 0.3], "tpot_s": [0.5, 0.0, 0.7]}
     )
-    m = summarize(stats, requests, wall_s=2.0)
+    m = run_metrics(stats, requests, wall_s=2.0)
     assert list(m) == list(METRICS)
     assert (m["peak_concurrent"], m["reserved_bytes"], m["live_bytes"]) == (3, 300, 150)
     assert m["waste_frac"] == 0.4 and m["waste_frac_at_peak"] == 0.5
     assert m["prefix_hit_rate"] == 0.25 and m["preemptions"] == 2
     assert (m["output_tokens"], m["tok_s"], m["ttft_p50_s"]) == (10, 5.0, 0.2)
     assert m["tpot_p50_s"] == 0.6  # one-token outputs have no TPOT
-    assert summarize(stats.drop(columns="preemptions"), requests, 2.0)["preemptions"] == 0
+    assert run_metrics(stats.drop(columns="preemptions"), requests, 2.0)["preemptions"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -161,5 +164,5 @@ def test_dashboard_draws_a_comparison_and_reruns_from_its_widgets(model, result,
 def test_prompts_are_encoded_as_the_engine_encodes_them(model):
     engine = Engine(model, parse_config("paged", max_model_len=256, kv_budget_tokens=256))
     for prompt in chat_prompts()[:3]:
-        assert prompt_ids(model.tokenizer, prompt) == engine.encode(prompt)
-    assert prompt_ids(model.tokenizer, [5, 6]) == [5, 6]
+        assert encode_prompt(model.tokenizer, prompt) == engine.encode(prompt)
+    assert encode_prompt(model.tokenizer, [5, 6]) == [5, 6]

@@ -40,13 +40,13 @@ PREFIXES = ([5 + (7 * j) % 400 for j in range(40)], [900 + (13 * j) % 500 for j 
 
 @st.composite
 def engine_configs(draw) -> dict:
-    kv_dtype = draw(st.sampled_from([None, *CODECS]))
-    aligned = kv_dtype == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
+    kv_codec = draw(st.sampled_from([None, *CODECS.names()]))
+    aligned = kv_codec == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
     pressured = draw(st.booleans())  # a small pool that must preempt to serve a burst
     cache = "paged" if pressured else draw(st.sampled_from(["naive", "paged"]))
     config = dict(
         cache=cache,
-        kv_dtype=kv_dtype,
+        kv_codec=kv_codec,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=draw(st.sampled_from([1, 3, 4, 8])),
         max_num_batched_tokens=draw(st.sampled_from([8, 16, 33, 64, 256])),
@@ -100,23 +100,23 @@ class Oracle:
     def __init__(self, model):
         self.model, self.engines, self.memo = model, {}, {}
 
-    def tokens(self, kv_dtype, prompt: list[int], params: SamplingParams, i: int) -> list[int]:
+    def tokens(self, kv_codec, prompt: list[int], params: SamplingParams, i: int) -> list[int]:
         seed = None if params.seed is None else params.seed + i  # sample i of n uses seed + i
-        key = (kv_dtype, tuple(prompt), params.max_new_tokens, params.temperature, seed,
+        key = (kv_codec, tuple(prompt), params.max_new_tokens, params.temperature, seed,
                params.ignore_eos)  # fmt: skip
         if key not in self.memo:
-            if kv_dtype not in self.engines:
+            if kv_codec not in self.engines:
                 config = kvlab.EngineConfig(
-                    max_model_len=MAX_MODEL_LEN, kv_budget_tokens=MAX_MODEL_LEN, kv_dtype=kv_dtype
+                    max_model_len=MAX_MODEL_LEN, kv_budget_tokens=MAX_MODEL_LEN, kv_codec=kv_codec
                 )
-                self.engines[kv_dtype] = kvlab.Engine(self.model, config)
+                self.engines[kv_codec] = kvlab.Engine(self.model, config)
             solo = SamplingParams(
                 max_new_tokens=params.max_new_tokens,
                 temperature=params.temperature,
                 seed=seed,
                 ignore_eos=params.ignore_eos,
             )
-            [out] = self.engines[kv_dtype].generate([prompt], solo)
+            [out] = self.engines[kv_codec].generate([prompt], solo)
             self.memo[key] = out.token_ids
         return self.memo[key]
 
@@ -256,17 +256,17 @@ class EngineMachine(RuleBasedStateMachine):
         self.counts["swapped"] += engine.scheduler.swapped_bytes > 0
         self.counts["prefix_hits"] += sum(o.metrics.prefix_hit_tokens > 0 for o in engine.finished)
         self.counts["forks"] += sum(len(o.samples) > 1 for o in engine.finished)
-        kv_dtype = engine.config.kv_dtype
+        kv_codec = engine.config.kv_codec
         # kivi2 keeps each sequence's unfinished 16-token key group exact until it
         # completes, so its outputs depend on where prefill chunks and recomputes split
         # the groups: it is checked for consistency here, not for token identity.
-        finished = [] if kv_dtype == "kivi2" else engine.finished
+        finished = [] if kv_codec == "kivi2" else engine.finished
         for out in finished:
             prompt, params = self.submitted[out.request_id]
             assert len(out.samples) == params.n or out.finish_reason == "cancelled"
             self.counts["compared"] += 1
             for i, sample in enumerate(out.samples):
-                expected = self.oracle.tokens(kv_dtype, prompt, params, i)
+                expected = self.oracle.tokens(kv_codec, prompt, params, i)
                 if sample.finish_reason == "cancelled":
                     assert sample.token_ids == expected[: len(sample.token_ids)], out.request_id
                 else:

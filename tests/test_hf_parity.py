@@ -6,9 +6,9 @@ import torch
 from conftest import hf_greedy, small_engine
 
 import kvlab
-from kvlab.attention_metadata import build_attention_metadata
 from kvlab.cache.pool import KVPool
-from kvlab.model_runner import ModelRunner
+from kvlab.model.metadata import build_attention_metadata
+from kvlab.model.runner import ModelRunner
 
 NEW_TOKENS = 40
 

@@ -41,10 +41,11 @@ from kvlab.kernels import (  # noqa: E402
 from kvlab.kernels.bench import storage_dtype  # noqa: E402
 
 import kvlab  # noqa: E402
-from kvlab.attention import pooled_attention  # noqa: E402
-from kvlab.attention_metadata import build_attention_metadata  # noqa: E402
-from kvlab.cache.pool import KVPool, KVSpec  # noqa: E402
-from kvlab.kernel_attention import KernelAttention, kernel_write, pool_layer  # noqa: E402
+from kvlab.cache.pool import KVPool  # noqa: E402
+from kvlab.cache.spec import KVSpec
+from kvlab.model.attention import pooled_attention  # noqa: E402
+from kvlab.model.kernel_attention import KernelAttention, kernel_write, pool_layer  # noqa: E402
+from kvlab.model.metadata import build_attention_metadata  # noqa: E402
 
 CODECS = (None, "int8", "fp8_e4m3", "fp8_e5m2")
 FLOAT_CODECS = (None, "fp16", "bf16")
@@ -69,7 +70,7 @@ class Case:
         heads: int,
         kv_heads: int,
         dim: int,
-        kv_dtype: str | None,
+        kv_codec: str | None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         seed: int = 0,
@@ -85,19 +86,19 @@ class Case:
             tables[b, :n] = torch.tensor(blocks, dtype=torch.int32)
             used += [blocks[p // block_size] * block_size + p % block_size for p in range(lens[b])]
         slots = num_blocks * block_size
-        self.kv_dtype, self.block_size = kv_dtype, block_size
+        self.kv_codec, self.block_size = kv_codec, block_size
         self.scale = dim**-0.5
         self.q = torch.randn(len(lens), heads, dim, generator=g).to(device, dtype)
         self.tables = tables.to(device)
         self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        store = storage_dtype(kv_dtype, dtype)
+        store = storage_dtype(kv_codec, dtype)
         self.k_cache = torch.zeros(slots, kv_heads, dim, dtype=store, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.k_scale = torch.zeros(slots, kv_heads, dtype=torch.bfloat16, device=device)
         self.v_scale = torch.zeros_like(self.k_scale)
         k, v = (kv_values(g, slots, kv_heads, dim, device=device).to(dtype) for _ in range(2))
         all_slots = torch.arange(slots, device=device)
-        kv_write_ref(k, v, self.k_cache, self.v_cache, all_slots, *self.scales, kv_dtype)
+        kv_write_ref(k, v, self.k_cache, self.v_cache, all_slots, *self.scales, kv_codec)
         unused = torch.ones(slots, dtype=torch.bool)
         unused[used] = False
         unused = unused.to(device)
@@ -121,7 +122,7 @@ class Case:
             self.scale,
             self.block_size,
             *self.scales,
-            self.kv_dtype,
+            self.kv_codec,
         )
 
 
@@ -136,20 +137,20 @@ SMALL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv_dtype", CODECS)
+@pytest.mark.parametrize("kv_codec", CODECS)
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"bs{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
-def test_decode_attention_kernel_matches_reference(case, kv_dtype):
+def test_decode_attention_kernel_matches_reference(case, kv_codec):
     lens, block_size, heads, kv_heads, dim, splits = case
-    c = Case(lens, block_size, heads, kv_heads, dim, kv_dtype)
+    c = Case(lens, block_size, heads, kv_heads, dim, kv_codec)
     ref = paged_decode_attention_ref(*c.args())
     assert torch.isfinite(ref).all()  # the reference never read a poisoned slot
     out = paged_decode_attention_triton(*c.args(), splits, tile=16)
     torch.testing.assert_close(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp16", "bf16"])
-def test_decode_attention_over_narrow_float_storage(kv_dtype):
-    c = Case([7, 30], 4, 4, 2, 16, kv_dtype)
+@pytest.mark.parametrize("kv_codec", ["fp16", "bf16"])
+def test_decode_attention_over_narrow_float_storage(kv_codec):
+    c = Case([7, 30], 4, 4, 2, 16, kv_codec)
     ref = paged_decode_attention_ref(*c.args())
     out = paged_decode_attention_triton(*c.args(), 2, tile=16)
     torch.testing.assert_close(out, ref, **TOL)
@@ -175,30 +176,30 @@ def special_kv(g: torch.Generator, tokens: int, kv_heads: int, dim: int) -> torc
     return x
 
 
-@pytest.mark.parametrize("kv_dtype", FLOAT_CODECS + CODECS[1:])
-def test_kv_write_kernel_is_bitwise_the_codec(kv_dtype):
+@pytest.mark.parametrize("kv_codec", FLOAT_CODECS + CODECS[1:])
+def test_kv_write_kernel_is_bitwise_the_codec(kv_codec):
     """kernel == reference == KVPool's codec, byte for byte, codes and scales."""
     tokens, kv_heads, dim, slots = 9, 2, 32, 24
     g = torch.Generator().manual_seed(1)
     k, v = special_kv(g, tokens, kv_heads, dim), special_kv(g, tokens, kv_heads, dim)
     slot_mapping = torch.randperm(slots, generator=g)[:tokens]
-    pool = KVPool(KVSpec(1, kv_heads, dim), slots, torch.float32, torch.device("cpu"), kv_dtype)
+    pool = KVPool(KVSpec(1, kv_heads, dim), slots, torch.float32, torch.device("cpu"), kv_codec)
     pool.write(0, slot_mapping, k, v)
     expected = pool_layer(pool, 0)
     for write in (kv_write_ref, kv_write_triton):
-        store = storage_dtype(kv_dtype, torch.float32)
+        store = storage_dtype(kv_codec, torch.float32)
         got = {
             "k_cache": torch.zeros(slots, kv_heads, dim, dtype=store),
             "v_cache": torch.zeros(slots, kv_heads, dim, dtype=store),
         }
-        if kv_dtype in CODECS[1:]:
+        if kv_codec in CODECS[1:]:
             got.update(
                 {
                     n: torch.zeros(slots, kv_heads, dtype=torch.bfloat16)
                     for n in ("k_scale", "v_scale")
                 }
             )
-        write(k, v, slot_mapping=slot_mapping, kv_dtype=kv_dtype, **got)
+        write(k, v, slot_mapping=slot_mapping, kv_codec=kv_codec, **got)
         for name, tensor in got.items():
             want = expected[name][slot_mapping]
             assert torch.equal(tensor[slot_mapping].view(torch.uint8), want.view(torch.uint8)), (
@@ -207,7 +208,7 @@ def test_kv_write_kernel_is_bitwise_the_codec(kv_dtype):
 
 
 def test_reference_equals_pooled_attention_on_a_paged_pool():
-    """The kernels' reference == kvlab.attention.pooled_attention, same pool, same step."""
+    """The kernels' reference == kvlab.model.attention.pooled_attention, same pool, same step."""
     spec, block_size = KVSpec(1, 2, 16), 4
     g = torch.Generator().manual_seed(2)
     tables = [[5, 2, 7], [1, 6], [3, 0, 4, 8]]  # physical blocks, deliberately scrambled
@@ -215,8 +216,8 @@ def test_reference_equals_pooled_attention_on_a_paged_pool():
     meta = build_attention_metadata(
         [n - 1 for n in lens], [1] * 3, tables, block_size, torch.device("cpu")
     )
-    for kv_dtype in CODECS:
-        pool = KVPool(spec, 9 * block_size, torch.float32, torch.device("cpu"), kv_dtype)
+    for kv_codec in CODECS:
+        pool = KVPool(spec, 9 * block_size, torch.float32, torch.device("cpu"), kv_codec)
         every = torch.arange(pool.num_slots)
         pool.write(0, every, *(kv_values(g, pool.num_slots, 2, 16) for _ in range(2)))
         q = torch.randn(3, 4, 16, generator=g)
@@ -257,8 +258,8 @@ def test_adapter_leaves_prefill_and_other_codecs_to_torch():
     assert attn.decode_calls == 0
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_dtype):
+@pytest.mark.parametrize("kv_codec", [None, "int8"])
+def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_codec):
     """A tiny random Llama: the engine's greedy tokens with Triton decode (interpreted)
     and Triton KV writes are the torch path's."""
     prompts = [[1, 520, 9531, 198, 4093], [1, 2683, 359, 253, 5356, 5646, 11173]]
@@ -267,7 +268,7 @@ def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_dtype
     for path in ("torch", "kernels"):
         engine = kvlab.Engine(
             tiny_model,
-            kvlab.EngineConfig(cache="paged", block_size=4, kv_budget_tokens=64, kv_dtype=kv_dtype),
+            kvlab.EngineConfig(cache="paged", block_size=4, kv_budget_tokens=64, kv_codec=kv_codec),
         )
         if path == "kernels":
             attn = KernelAttention(engine.cache.block_size, backend="triton")
@@ -281,9 +282,9 @@ def test_kernel_write_goes_through_the_pool_layout():
     spec = KVSpec(2, 2, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([4, 0, 9])
-    for kv_dtype in ("int8", "int4"):  # int4: the codec's own write
-        a = KVPool(spec, 12, torch.float32, torch.device("cpu"), kv_dtype)
-        b = KVPool(spec, 12, torch.float32, torch.device("cpu"), kv_dtype)
+    for kv_codec in ("int8", "int4"):  # int4: the codec's own write
+        a = KVPool(spec, 12, torch.float32, torch.device("cpu"), kv_codec)
+        b = KVPool(spec, 12, torch.float32, torch.device("cpu"), kv_codec)
         a.write(1, slots, k, v)
         kernel_write(b, 1, slots, k, v, backend="triton")
         torch.testing.assert_close(b.gather(1, slots[None]), a.gather(1, slots[None]), **TOL)
@@ -305,7 +306,7 @@ def test_dispatch(monkeypatch):
         paged_decode_attention(*c.args()), paged_decode_attention_ref(*c.args()), **TOL
     )
     with pytest.raises(ValueError, match="int4"):
-        kv_write(c.q, c.q, c.k_cache, c.v_cache, c.lens, kv_dtype="int4")
+        kv_write(c.q, c.q, c.k_cache, c.v_cache, c.lens, kv_codec="int4")
 
 
 def test_walk_is_the_kernels_addressing():
@@ -320,12 +321,12 @@ GPU_CASES = [([4096] * 32, 16, 32, 8, 128), ([17, 4000, 1, 8191, 300] * 6, 16, 9
 
 
 @cuda
-@pytest.mark.parametrize("kv_dtype", CODECS)
+@pytest.mark.parametrize("kv_codec", CODECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", GPU_CASES, ids=["llama8b-4k", "ragged"])
-def test_gpu_decode_attention_at_full_size(case, dtype, kv_dtype):
+def test_gpu_decode_attention_at_full_size(case, dtype, kv_codec):
     lens, block_size, heads, kv_heads, dim = case
-    c = Case(lens, block_size, heads, kv_heads, dim, kv_dtype, dtype=dtype, device="cuda")
+    c = Case(lens, block_size, heads, kv_heads, dim, kv_codec, dtype=dtype, device="cuda")
     ref = paged_decode_attention_ref(*c.args())
     # K/V magnitudes reach ~1e3 here: errors scale with the output's largest value.
     size = max(1.0, ref.abs().max().item())
@@ -336,18 +337,18 @@ def test_gpu_decode_attention_at_full_size(case, dtype, kv_dtype):
 
 
 @cuda
-@pytest.mark.parametrize("kv_dtype", FLOAT_CODECS + CODECS[1:])
-def test_gpu_kv_write_is_bitwise_the_reference(kv_dtype):
+@pytest.mark.parametrize("kv_codec", FLOAT_CODECS + CODECS[1:])
+def test_gpu_kv_write_is_bitwise_the_reference(kv_codec):
     g = torch.Generator().manual_seed(4)
     tokens, kv_heads, dim, slots = 4096, 8, 128, 8192
     k, v = (special_kv(g, tokens, kv_heads, dim).cuda().bfloat16() for _ in range(2))
     slot_mapping = torch.randperm(slots, generator=g)[:tokens].cuda()
     outs = []
     for write in (kv_write_ref, kv_write_triton):
-        store = storage_dtype(kv_dtype, torch.bfloat16)
+        store = storage_dtype(kv_codec, torch.bfloat16)
         got = [torch.zeros(slots, kv_heads, dim, dtype=store, device="cuda") for _ in range(2)]
         got += [torch.zeros(slots, kv_heads, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-        write(k, v, got[0], got[1], slot_mapping, got[2], got[3], kv_dtype)
+        write(k, v, got[0], got[1], slot_mapping, got[2], got[3], kv_codec)
         outs.append(got)
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

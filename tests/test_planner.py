@@ -7,18 +7,18 @@ import json
 import pytest
 
 from kvlab.cli import main
+from kvlab.experiments.capacity_check import check_against_engine
 from kvlab.planner import (
     MODELS,
     ModelShape,
     capacity_curve,
-    check_against_engine,
     gqa_vs_mha,
     kv_bytes_per_token,
-    parse_size,
     plan,
     predict_engine_capacity,
     weight_bytes,
 )
+from kvlab.units import parse_size
 from kvlab.viz.planner import PlannerApp
 
 # Published parameter counts of the shipped configs (model cards / safetensors metadata).
@@ -52,7 +52,7 @@ def test_kv_bytes_per_token_counts_scales_of_quantized_dtypes():
     # int8: one byte per element plus a bf16 scale per token per KV head.
     assert kv_bytes_per_token(llama, "int8") == 2 * 32 * (8 * 128 + 8 * 2) == 66_560
     assert kv_bytes_per_token(llama.with_mha(), "bf16") == 4 * 131_072
-    with pytest.raises(ValueError, match="kv_dtype='int3' is unknown"):
+    with pytest.raises(ValueError, match="kv_codec='int3' is unknown"):
         kv_bytes_per_token(llama, "int3")
 
 
@@ -143,7 +143,7 @@ def test_planner_app_follows_its_widgets():
     assert "paged 56 sequences" in app.summary.value
     app.users.value = 64
     assert "do NOT fit" in app.figure.layout.title.text
-    app.kv_dtype.value = "int8"
+    app.kv_codec.value = "int8"
     assert app.plan.kv_bytes_per_token == 66_560 and app.plan.users_fit
     app.model.value = "Llama-3-70B"
     weights = app.figure.data[3]

@@ -7,10 +7,11 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import quality, workloads
+from kvlab import workloads
 from kvlab.config import EngineConfig
-from kvlab.engine import Engine
-from kvlab.model_runner import ModelRunner
+from kvlab.engine.engine import Engine
+from kvlab.experiments import quality
+from kvlab.model.runner import ModelRunner
 from kvlab.viz.quantization import (
     CodecExplorer,
     capacity_figure,

@@ -116,7 +116,7 @@ def test_static_batching_resumes_swapped_requests(tiny_model):
     ids=["radix-partial-hit", "swap"],
 )
 def test_kivi2_copies_blocks_outside_the_forward(tiny_model, config):
-    base = dict(cache="paged", kv_dtype="kivi2", kv_budget_tokens=16 * 16)
+    base = dict(cache="paged", kv_codec="kivi2", kv_budget_tokens=16 * 16)
     engine = _engine(tiny_model, **(base | config))
     engine.add_request(_prompt(40), SamplingParams(max_new_tokens=20, n=3, ignore_eos=True))
     _drain(engine)
@@ -127,12 +127,12 @@ def test_kivi2_copies_blocks_outside_the_forward(tiny_model, config):
     assert engine.cache.copied_blocks > 0
 
 
-@pytest.mark.parametrize("kv_dtype", [None, *CODECS])
-def test_block_copies_are_bit_exact_for_every_codec(kv_dtype):
+@pytest.mark.parametrize("kv_codec", [None, *CODECS.names()])
+def test_block_copies_are_bit_exact_for_every_codec(kv_codec):
     """Copy-on-write, swap and partial hits move stored codes, never decode + re-encode."""
     torch.manual_seed(0)
     spec, g = KVSpec(2, 2, 64), 16
-    pool = KVPool(spec, 8 * g, torch.float32, torch.device("cpu"), kv_dtype)
+    pool = KVPool(spec, 8 * g, torch.float32, torch.device("cpu"), kv_codec)
     with torch.inference_mode():
         for layer in range(spec.num_layers):
             k, v = (torch.randn(g + 5, 2, 64) * 3 for _ in range(2))

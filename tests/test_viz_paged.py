@@ -6,7 +6,7 @@ import pytest
 
 import kvlab
 from kvlab import workloads
-from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_figure, summarize
+from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_panels, occupancy_table
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,13 @@ def engines(model, requests) -> dict[str, kvlab.Engine]:
 
 def test_summary_and_memory_figure(engines):
     stats = {name: engine.stats() for name, engine in engines.items()}
-    table = summarize(stats)
+    table = occupancy_table(stats)
     assert list(table.index) == ["naive", "paged"]
     assert table.loc["naive", "peak running"] == 2  # two 128-token regions
     assert table.loc["paged", "peak running"] == 3
     assert table.loc["naive", "blocks"] == 2 and table.loc["paged", "blocks"] == 32
     assert table.loc["paged", "mean waste %"] < table.loc["naive", "mean waste %"]
-    fig = memory_figure(stats, x="step")
+    fig = memory_panels(stats, x="step")
     names = [trace.name for trace in fig.data]
     assert names == [f"{c} {k}" for c in stats for k in ("reserved", "live", "waste %", "running")]
     running = fig.data[names.index("paged running")]

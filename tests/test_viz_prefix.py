@@ -6,7 +6,8 @@ import pytest
 
 from kvlab import texts
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine import Engine
+from kvlab.engine.engine import Engine
+from kvlab.experiments import sharing
 from kvlab.viz import prefix as viz
 
 
@@ -22,11 +23,11 @@ def test_format_table_and_shared_pages():
     assert viz.format_table([5]) == "5"
     assert viz.format_table([]) == "(empty)"
     assert viz.shared_pages({"A": [0, 1, 2, 3], "B": [0, 1, 4], "C": [4]}) == [0, 1, 4]
-    assert viz.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert sharing.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
 
 
 def test_preamble_prompts_share_the_preamble():
-    prompts = viz.preamble_prompts(50)
+    prompts = sharing.preamble_prompts(50)
     assert len(set(prompts)) == 50
     assert all(p.startswith(texts.preamble()) for p in prompts)
 
@@ -47,7 +48,7 @@ def test_block_table_figure_draws_shared_pages():
 def test_serve_sharing_hits_after_the_first(model, prompts):
     config = EngineConfig(cache="paged", block_size=8, prefix_caching="hash", max_model_len=128)
     engine = Engine(model, config)
-    outputs = viz.serve_sharing(engine, prompts, SamplingParams(max_new_tokens=2))
+    outputs = sharing.serve_sharing(engine, prompts, SamplingParams(max_new_tokens=2))
     assert [o.metrics.prefix_hit_tokens for o in outputs] == [0, 32, 32, 32]
 
 
@@ -89,7 +90,7 @@ def test_sharing_explorer_redraws_on_new_settings(model, prompts):
 
 
 def test_index_hits_hash_vs_radix(model, prompts):
-    hits = viz.index_hits(model, prompts[:3], block_sizes=(16,))
+    hits = sharing.index_hits(model, prompts[:3], block_sizes=(16,))
     assert list(hits["hash/16"]) == [0, 32, 32]
     shared = list(hits["shared with earlier"])
     assert list(hits["radix/16"]) == shared and min(shared[1:]) >= 37
@@ -97,7 +98,7 @@ def test_index_hits_hash_vs_radix(model, prompts):
 
 def test_fork_vs_separate_saves_blocks(model, prompts):
     params = SamplingParams(n=3, temperature=0.8, seed=1, max_new_tokens=4, ignore_eos=True)
-    summary, stats = viz.fork_vs_separate(model, prompts[0], params, max_model_len=128)
+    summary, stats = sharing.fork_vs_separate(model, prompts[0], params, max_model_len=128)
     fork, separate = summary.values()
     assert fork["samples"] == separate["samples"] == 3
     assert fork["peak blocks"] < separate["peak blocks"]

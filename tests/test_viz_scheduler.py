@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 import kvlab
-from kvlab import stress
-from kvlab.scheduler import Event
+from kvlab.engine.scheduler import Event
+from kvlab.experiments import stress
 from kvlab.viz.scheduler import (
     StressExplorer,
     cost_figure,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab import texts
-from kvlab.model_runner import ModelRunner
+from kvlab.model.runner import ModelRunner
 from kvlab.viz.why_cache import MODES, CacheLatencyExplorer
 
 

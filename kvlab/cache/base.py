@@ -1,21 +1,35 @@
-"""The one interface every KV-cache variant implements, and the memory accounting they share.
+"""The interface every KV-cache variant implements, and the memory accounting they share.
 
 Every variant hands each sequence a *block table*: a list of physical block ids, each
 block holding `block_size` consecutive token slots of the shared KVPool. Token position p
 of a sequence lives in slot `table[p // block_size] * block_size + p % block_size`.
 The naive cache is the special case of one block of `max_model_len` slots per sequence.
+
+A variant is a class registered in `kvlab.cache.CACHES`. `KVCache` is what the scheduler
+and engine need of every one (admission, growth, release, accounting). What only some can
+do is a capability, a class attribute the engine checks before calling the methods it
+guards:
+
+    shares_prefixes   `publish(seq)`: the prompt is in the cache; reuse it (prefix caching)
+    forks             `fork(parent, child)`: n > 1 samples share the prompt's blocks
+    swaps             `swap_out`, `can_swap_in`, `swap_in`: swap preemption
+    admissions        the EngineConfig.admission policies it implements
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvlab.cache.codecs import StoredKV
 from kvlab.cache.pool import KVPool
-from kvlab.sequence import Sequence
+from kvlab.cache.spec import KVSpec
+from kvlab.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvlab.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -38,7 +52,11 @@ class MemoryStats:
 class KVCache(ABC):
     """Decides which slots of the pool belong to which sequence."""
 
-    name: str
+    name: ClassVar[str]  # set by CACHES.register
+    shares_prefixes: ClassVar[bool] = False
+    forks: ClassVar[bool] = False
+    swaps: ClassVar[bool] = False
+    admissions: ClassVar[tuple[str, ...]] = ("reserve",)
 
     def __init__(self, pool: KVPool, block_size: int, max_model_len: int, poison_freed: bool):
         if pool.num_slots % block_size:
@@ -50,7 +68,22 @@ class KVCache(ABC):
         self.poison_freed = poison_freed
         self.sequences: dict[int, Sequence] = {}  # admitted, by request id
 
+    # --- construction ----------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def slot_unit(cls, config: EngineConfig, max_model_len: int) -> tuple[str, int]:
+        """(EngineConfig field, slots): the pool is carved in runs of that many slots."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: EngineConfig, pool: KVPool, max_model_len: int) -> KVCache:
+        """The cache over `pool` that `config` describes."""
+
     # --- what each variant decides -------------------------------------------------
+    @abstractmethod
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ValueError if `seq` could never be served within this cache's budget."""
+
     @abstractmethod
     def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
         """Whether `seq` can be admitted now without endangering running sequences.
@@ -64,6 +97,10 @@ class KVCache(ABC):
     @abstractmethod
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
         """Make positions [0, num_tokens) of `seq` writable."""
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` must take to hold `num_tokens` tokens (0: it has room)."""
+        return 0
 
     @abstractmethod
     def _release(self, seq: Sequence) -> list[int]:
@@ -89,30 +126,6 @@ class KVCache(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise IntegrityError naming the broken invariant, if any."""
-
-    @abstractmethod
-    def publish(self, seq: Sequence) -> None:
-        """`seq`'s prompt is in the cache: let later requests reuse it (if this cache can)."""
-
-    @abstractmethod
-    def check_fits(self, seq: Sequence) -> None:
-        """Raise ValueError if `seq` could never be served within this cache's budget."""
-
-    # --- preemption (caches that never over-admit need none of it) -----------------
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks `seq` must take to hold `num_tokens` tokens (0: it has room)."""
-        return 0
-
-    def swap_out(self, seq: Sequence) -> StoredKV:
-        """Copy `seq`'s KV to host memory and free its blocks; return the copy."""
-        raise NotImplementedError(f"the {self.name} cache does not swap")
-
-    def can_swap_in(self, seq: Sequence, alone: bool = False) -> bool:
-        raise NotImplementedError(f"the {self.name} cache does not swap")
-
-    def swap_in(self, seq: Sequence, saved: StoredKV) -> None:
-        """Re-admit a swapped-out `seq` into fresh blocks holding its saved KV."""
-        raise NotImplementedError(f"the {self.name} cache does not swap")
 
     # --- shared behaviour ----------------------------------------------------------
     def admit(self, seq: Sequence, alone: bool = False) -> None:
@@ -150,3 +163,37 @@ class KVCache(ABC):
     @property
     def num_running(self) -> int:
         return len(self.sequences)
+
+
+def make_pool(
+    config: EngineConfig,
+    cache: type[KVCache],
+    spec: KVSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> KVPool:
+    """The pool the config's KV budget buys for `cache`: budget // (bytes per token, scales
+    included) slots, in whole runs of the cache's unit (a block, or a naive region)."""
+    from kvlab.cache.codecs import CODECS
+    from kvlab.config import DEFAULT_BUDGET_TOKENS
+
+    codec = CODECS[config.kv_codec]
+    per_token = codec.token_bytes(spec, dtype)
+    if config.kv_budget_bytes is not None:
+        slots = config.kv_budget_bytes // per_token
+    else:
+        slots = config.kv_budget_tokens or DEFAULT_BUDGET_TOKENS
+    field, unit = cache.slot_unit(config, max_model_len)
+    if unit % codec.alignment:
+        raise ValueError(
+            f"EngineConfig.{field}={unit} must be a multiple of {codec.alignment} for "
+            f"kv_codec={config.kv_codec!r} (it quantizes keys in groups of that many tokens)"
+        )
+    slots -= slots % unit
+    if slots == 0:
+        raise ValueError(
+            f"KV budget holds fewer token slots ({per_token} bytes each) than one "
+            f"{cache.name} sequence needs ({field}={unit}): too small"
+        )
+    return KVPool(spec, slots, dtype, device, config.kv_codec)

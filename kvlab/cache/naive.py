@@ -7,16 +7,16 @@ still holds max_model_len slots; the difference is waste.
 
 from __future__ import annotations
 
+from kvlab.cache import CACHES
 from kvlab.cache.base import KVCache
 from kvlab.cache.pool import KVPool
+from kvlab.engine.sequence import Sequence
 from kvlab.integrity import require
-from kvlab.sequence import Sequence
 
 
+@CACHES.register("naive")
 class NaiveCache(KVCache):
     """Contiguous per-sequence regions; region i covers slots [i*L, (i+1)*L)."""
-
-    name = "naive"
 
     def __init__(self, pool: KVPool, max_model_len: int, poison_freed: bool = False):
         num_regions = pool.num_slots // max_model_len
@@ -30,11 +30,16 @@ class NaiveCache(KVCache):
         self.free_regions = list(range(num_regions - 1, -1, -1))  # a stack: pop() gives 0 first
         self.region_of: dict[int, int] = {}  # request id -> region
 
-    def publish(self, seq: Sequence) -> None:
-        pass  # contiguous regions are never shared
+    @classmethod
+    def slot_unit(cls, config, max_model_len: int) -> tuple[str, int]:
+        return "max_model_len", max_model_len
+
+    @classmethod
+    def from_config(cls, config, pool: KVPool, max_model_len: int) -> NaiveCache:
+        return cls(pool, max_model_len, config.poison_freed)
 
     def check_fits(self, seq: Sequence) -> None:
-        pass  # every region holds max_model_len tokens, and the engine caps sequences there
+        """Nothing to check: a region holds max_model_len tokens, where the engine stops."""
 
     def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
         return bool(self.free_regions)

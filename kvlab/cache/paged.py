@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.cache import CACHES
+from kvlab.cache.allocator import BlockAllocator
 from kvlab.cache.base import KVCache
-from kvlab.cache.block_allocator import BlockAllocator
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.pool import KVPool
-from kvlab.cache.prefix_index import PrefixIndex, PrefixMatch
+from kvlab.cache.prefix import PREFIX_INDEXES, PrefixIndex, PrefixMatch
+from kvlab.engine.sequence import Sequence
 from kvlab.integrity import require
-from kvlab.sequence import Sequence
 from kvlab.units import ceil_div
 
 
+@CACHES.register("paged")
 class PagedCache(KVCache):
-    name = "paged"
+    shares_prefixes = forks = swaps = True
+    admissions = ("reserve", "watermark")
 
     def __init__(
         self,
@@ -55,6 +58,16 @@ class PagedCache(KVCache):
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self._forget)
         self.tables: dict[int, list[int]] = {}  # request id -> block table
         self.copied_blocks = 0  # copy-on-write copies made
+
+    @classmethod
+    def slot_unit(cls, config, max_model_len: int) -> tuple[str, int]:
+        return "block_size", config.block_size
+
+    @classmethod
+    def from_config(cls, config, pool: KVPool, max_model_len: int) -> PagedCache:
+        index = config.prefix_caching and PREFIX_INDEXES[config.prefix_caching](config.block_size)
+        watermark = config.watermark if config.admission == "watermark" else None
+        return cls(pool, config.block_size, max_model_len, config.poison_freed, index, watermark)
 
     @property
     def reserves(self) -> bool:

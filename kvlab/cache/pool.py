@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvlab.cache.codecs import StoredKV, make_codec
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """Shape of one model's KV: what a single token costs in every layer."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+from kvlab.cache.spec import KVSpec
 
 
 class KVPool:
@@ -28,7 +13,7 @@ class KVPool:
 
     A slot holds one token's K and V for all kv heads. Cache variants differ only in
     which slots they hand to which sequence; the pool just stores and gathers, through a
-    codec (kvlab.cache.codecs) that decides how: `kv_dtype` None keeps the model's dtype.
+    codec (kvlab.cache.codecs) that decides how: `kv_codec` None keeps the model's dtype.
     """
 
     def __init__(
@@ -37,11 +22,11 @@ class KVPool:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
-        kv_dtype: str | None = None,
+        kv_codec: str | None = None,
     ):
         self.spec, self.num_slots, self.dtype, self.device = spec, num_slots, dtype, device
-        self.kv_dtype = kv_dtype
-        self.codec = make_codec(kv_dtype, spec, num_slots, dtype, device)
+        self.kv_codec = kv_codec
+        self.codec = make_codec(kv_codec, spec, num_slots, dtype, device)
 
     @property
     def bytes_per_token(self) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvlab.cache import OutOfBlocks
-from kvlab.sequence import Sequence
+from kvlab.engine.sequence import Sequence
 
 
 # --- lab 1: the block allocator -------------------------------------------------------------

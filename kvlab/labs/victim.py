@@ -4,7 +4,7 @@
 returns the one to preempt. kvlab's rule: the lowest priority first (a larger `priority`
 is more important), then the most recently admitted (the largest `admit_order`): it has
 the least work to lose, and the requests admitted first keep making progress. The
-grader's reference is kvlab's real victim rule, `kvlab.scheduler.choose_victim`.
+grader's reference is kvlab's real victim rule, `kvlab.engine.scheduler.choose_victim`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import random
 from collections.abc import Callable
 
 from kvlab.config import SamplingParams
+from kvlab.engine.scheduler import choose_victim
+from kvlab.engine.sequence import RequestState, Sequence
 from kvlab.labs.grading import Broken, Case, LabResult, grade, search
-from kvlab.scheduler import choose_victim
-from kvlab.sequence import Sequence, SequenceStatus
 
 ChooseVictim = Callable[[list[Sequence]], Sequence]
 
@@ -45,7 +45,7 @@ def running_seq(
     seq.admit_order, seq.num_computed, seq.status = (
         admit_order,
         num_computed,
-        SequenceStatus.RUNNING,
+        RequestState.RUNNING,
     )
     return seq
 

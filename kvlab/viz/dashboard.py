@@ -1,7 +1,7 @@
 """Notebook 07's dashboard: one workload through several engine designs, side by side.
 
 Widgets pick the workload, its size, the KV budget and the configs; "Run" serves the
-workload through every config live on the real model (`kvlab.compare.compare`) and redraws
+workload through every config live on the real model (`kvlab.experiments.compare`) and redraws
 four panels: KV memory over time (reserved vs live), throughput (with the systems of a
 saved `kvlab bench` run beside kvlab's, in grey), latency, and peak concurrency.
 """
@@ -15,18 +15,12 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.bench import BenchResult
-from kvlab.compare import (
-    DEFAULT_CONFIGS,
-    MIB,
-    Comparison,
-    add_capacity,
-    add_latency,
-    add_memory,
-    add_throughput,
-    compare,
-)
-from kvlab.model_loading import LoadedModel
+from kvlab.experiments.bench import BenchResult
+from kvlab.experiments.compare import Comparison, compare
+from kvlab.experiments.configs import DEFAULT_CONFIGS
+from kvlab.model.loading import LoadedModel
+from kvlab.units import MiB
+from kvlab.viz.compare import add_capacity, add_latency, add_memory, add_throughput
 from kvlab.workloads import WORKLOADS, load_workload
 
 CONFIG_CHOICES = (
@@ -69,7 +63,7 @@ class Dashboard:
             in grey beside kvlab's live throughput.
         initial: a Comparison to draw at once instead of running (keeps notebooks fast).
         max_model_len: per-sequence cap (what the naive cache reserves); default from
-            the workload (`kvlab.compare.default_max_model_len`).
+            the workload (`kvlab.experiments.compare.default_max_model_len`).
     """
 
     def __init__(
@@ -138,7 +132,7 @@ class Dashboard:
                 self.model,
                 self.requests(),
                 list(self.configs.value),
-                budget_bytes=int(self.budget.value * MIB),
+                budget_bytes=int(self.budget.value * MiB),
                 max_model_len=self.max_model_len,
                 workload=f"{self.workload.value} x {self.n.value}",
             )
@@ -161,7 +155,7 @@ class Dashboard:
         peaks = ", ".join(f"{n} {r.metrics['peak_concurrent']}" for n, r in result.runs.items())
         bench = f"; grey bars: saved bench on {self.bench.workload}" if self.bench else ""
         self.status.value = html.escape(
-            f"{result.workload}: KV budget {result.budget_bytes / MIB:.1f} MiB, "
+            f"{result.workload}: KV budget {result.budget_bytes / MiB:.1f} MiB, "
             f"max_model_len {result.max_model_len}; peak concurrent: {peaks}{bench}"
         )
 

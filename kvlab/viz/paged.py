@@ -11,11 +11,11 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from kvlab.config import EngineConfig
-from kvlab.engine import Engine
-from kvlab.model_loading import LoadedModel
+from kvlab.engine.engine import Engine
+from kvlab.model.loading import LoadedModel
+from kvlab.units import MiB
 from kvlab.workloads import Request
 
-MIB = 2**20
 PALETTE = qualitative.Plotly  # 10 colours; request id r is drawn in PALETTE[r % 10]
 BLOCK_SIZES = (1, 4, 8, 16, 32, 64, 128)
 
@@ -41,7 +41,7 @@ def _busy(stats: pd.DataFrame) -> pd.DataFrame:
     return busy.assign(waste_frac=busy["waste_bytes"] / busy["reserved_bytes"])
 
 
-def summarize(stats_by_name: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def occupancy_table(stats_by_name: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """One row per cache: steps, peak running, mean/peak waste %, peak blocks used/total.
 
     Everything here is deterministic for greedy runs of a workload arriving at once.
@@ -56,13 +56,13 @@ def summarize(stats_by_name: dict[str, pd.DataFrame]) -> pd.DataFrame:
             "peak waste %": round(100 * busy["waste_frac"].max(), 1),
             "peak blocks used": int(stats["blocks_used"].max()),
             "blocks": int(stats["blocks_used"].iloc[0] + stats["blocks_free"].iloc[0]),
-            "peak reserved MiB": round(stats["reserved_bytes"].max() / MIB, 1),
-            "peak live MiB": round(stats["live_bytes"].max() / MIB, 1),
+            "peak reserved MiB": round(stats["reserved_bytes"].max() / MiB, 1),
+            "peak live MiB": round(stats["live_bytes"].max() / MiB, 1),
         }
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def memory_figure(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go.Figure:
+def memory_panels(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go.Figure:
     """Reserved (solid) vs live (dotted) KV, waste % and running sequences, one colour per
     cache, against `x` ("step" or "time_s") of each cache's `engine.stats()`."""
     fig = make_subplots(
@@ -76,8 +76,8 @@ def memory_figure(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go
     for i, (name, stats) in enumerate(stats_by_name.items()):
         color, busy = PALETTE[i % len(PALETTE)], _busy(stats)
         panels = [
-            (1, stats, stats["reserved_bytes"] / MIB, "reserved", "solid"),
-            (1, stats, stats["live_bytes"] / MIB, "live", "dot"),
+            (1, stats, stats["reserved_bytes"] / MiB, "reserved", "solid"),
+            (1, stats, stats["live_bytes"] / MiB, "live", "dot"),
             (2, busy, 100 * busy["waste_frac"], "waste %", "solid"),
             (3, stats, stats["running"], "running", "solid"),
         ]
@@ -93,7 +93,7 @@ def memory_figure(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go
                 row=row,
                 col=1,
             )
-    budget = next(iter(stats_by_name.values()))["budget_bytes"].max() / MIB
+    budget = next(iter(stats_by_name.values()))["budget_bytes"].max() / MiB
     fig.add_hline(y=budget, line_dash="dash", annotation_text="KV budget", row=1, col=1)
     fig.update_yaxes(title_text="MiB", row=1, col=1)
     fig.update_yaxes(title_text="%", range=[0, 100], row=2, col=1)

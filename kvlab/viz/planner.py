@@ -15,14 +15,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.planner import (
-    GIB,
-    KV_DTYPES,
     MODELS,
     WEIGHT_DTYPES,
     ModelShape,
     capacity_curve,
+    kv_formats,
     plan,
 )
+from kvlab.units import GiB
 
 CONTEXTS = tuple(2**k for k in range(7, 18))  # 128 .. 131072 tokens
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -38,7 +38,7 @@ class PlannerApp:
         model: str = "Llama-3-8B",
         memory_gib: float = 80.0,
         weight_dtype: str = "bf16",
-        kv_dtype: str = "auto",
+        kv_codec: str = "auto",
         context_len: int = 4096,
         block_size: int = 16,
         users: int = 32,
@@ -59,8 +59,8 @@ class PlannerApp:
         self.weight_dtype = widgets.Dropdown(
             options=list(WEIGHT_DTYPES), value=weight_dtype, description="weights", style=style
         )
-        self.kv_dtype = widgets.Dropdown(
-            options=["auto", *KV_DTYPES], value=kv_dtype, description="KV dtype", style=style
+        self.kv_codec = widgets.Dropdown(
+            options=["auto", *kv_formats()], value=kv_codec, description="KV codec", style=style
         )
         self.context = widgets.SelectionSlider(
             options=list(CONTEXTS), value=context_len, description="context", style=style
@@ -100,7 +100,7 @@ class PlannerApp:
             self.model,
             self.memory,
             self.weight_dtype,
-            self.kv_dtype,
+            self.kv_codec,
             self.context,
             self.block_size,
             self.users,
@@ -109,9 +109,9 @@ class PlannerApp:
     def options(self) -> dict:
         """`plan` keyword arguments from the widgets (all but context and users)."""
         return dict(
-            memory=int(self.memory.value * GIB),
+            memory=int(self.memory.value * GiB),
             weight_dtype=self.weight_dtype.value,
-            kv_dtype=None if self.kv_dtype.value == "auto" else self.kv_dtype.value,
+            kv_codec=None if self.kv_codec.value == "auto" else self.kv_codec.value,
             block_size=self.block_size.value,
         )
 
@@ -143,8 +143,8 @@ class PlannerApp:
                     kv,
                 ),
             ):
-                trace.x, trace.y = labels, [v / GIB for v in values]
-            usable = p.memory_bytes * p.utilization / GIB
+                trace.x, trace.y = labels, [v / GiB for v in values]
+            usable = p.memory_bytes * p.utilization / GiB
             self.figure.data[6].x, self.figure.data[6].y = labels, [usable, usable]
             self.figure.layout.title = f"{shape.name}: {users} users x {context:,} tokens " + (
                 "fit" if p.users_fit else "do NOT fit"

@@ -1,19 +1,16 @@
-"""Notebook 03's helpers, figures and widget: prefix sharing measured live on the real model.
+"""Prefix sharing drawn: block tables pointing at shared pages, the sharing explorer, and
+blocks held over time (the experiments are in kvlab.experiments.sharing).
 
-- `serve` / `serve_sharing`: run requests so that later ones can hit earlier ones' cached
-  prefix (one after another, or one first and the rest while it decodes).
 - `format_table`, `block_table_figure`: block tables, printed compactly and drawn as
   logical blocks pointing at physical pages.
-- `measure_sharing`, `sharing_figure`, `SharingExplorer`: prompt tokens computed, hit
-  rate and peak KV blocks as more requests share one preamble, with and without sharing.
-- `fork_vs_separate`, `blocks_figure`: n > 1 sampling with copy-on-write forks against
-  n separate requests.
+- `sharing_figure`, `SharingExplorer`: prompt tokens computed, hit rate and peak KV blocks
+  as more requests share one preamble, with and without sharing.
+- `blocks_figure`: KV blocks held after each step (n > 1 forks against separate requests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 
 import ipywidgets as widgets
 import pandas as pd
@@ -21,81 +18,15 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from kvlab import texts
-from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine import Engine, Prompt
-from kvlab.model_loading import LoadedModel
-from kvlab.outputs import RequestOutput
+from kvlab.engine.engine import Prompt
+from kvlab.experiments.sharing import MODES, measure_sharing
+from kvlab.model.loading import LoadedModel
 
-MIB = 2**20
 PALETTE = qualitative.Plotly
 SHARED_COLOR = "#d62728"  # pages referenced by more than one block table
-MODES = {"with sharing": "hash", "without sharing": None}
 BLOCK_SIZES = (8, 16, 32, 64)
 
 
-# --- prompts and serving --------------------------------------------------------------
-def preamble_prompts(n: int) -> list[str]:
-    """n doc-QA style prompts: the shared ~300-token preamble, then a short numbered question
-    (questions cycle past 48, the number keeps every prompt distinct)."""
-    questions = texts.questions()
-    return [
-        f"{texts.preamble()}\n\nQuestion {i + 1}: {questions[i % len(questions)]}" for i in range(n)
-    ]
-
-
-def common_prefix(a: Seq[int], b: Seq[int]) -> int:
-    """Length of the longest common prefix of two token-id lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def drain(engine: Engine) -> None:
-    """Step the engine until no request is waiting or running."""
-    while engine.has_unfinished():
-        engine.step()
-
-
-def output_of(engine: Engine, request_id: int) -> RequestOutput:
-    """The finished output of one request."""
-    return next(o for o in engine.finished if o.request_id == request_id)
-
-
-def serve(
-    engine: Engine,
-    prompt: Prompt,
-    params: SamplingParams | None = None,
-    *,
-    salt: str | None = None,
-    chat: bool | None = None,
-) -> RequestOutput:
-    """Serve one request to completion (anything already queued runs too)."""
-    request_id = engine.add_request(prompt, params, salt=salt, chat=chat)
-    drain(engine)
-    return output_of(engine, request_id)
-
-
-def serve_sharing(
-    engine: Engine, prompts: Seq[Prompt], params: SamplingParams
-) -> list[RequestOutput]:
-    """The first prompt arrives alone and is prefilled; the others arrive while it decodes.
-
-    Requests admitted in the same prefill step cannot share (a prompt's blocks are indexed
-    only once it is computed), so this is the order in which a shared preamble pays off:
-    one request warms the cache, the rest reuse it. Deterministic (no clocks involved).
-    """
-    ids = [engine.add_request(prompts[0], params)]
-    engine.step()
-    ids += [engine.add_request(p, params) for p in prompts[1:]]
-    drain(engine)
-    return [output_of(engine, i) for i in ids]
-
-
-# --- block tables ---------------------------------------------------------------------
 def format_table(table: Seq[int]) -> str:
     """A block table with runs of consecutive pages collapsed: [0, 1, 2, 7] -> '0-2, 7'."""
     parts: list[str] = []
@@ -187,94 +118,6 @@ def block_table_figure(
         margin=dict(t=90, b=40),
     )
     return fig
-
-
-# --- hash vs radix -------------------------------------------------------------------
-def index_hits(
-    model: LoadedModel,
-    prompts: Seq[Prompt],
-    block_sizes: Seq[int] = (16, 64),
-    kinds: Seq[str] = ("hash", "radix"),
-    max_new_tokens: int = 2,
-    max_model_len: int = 1024,
-) -> pd.DataFrame:
-    """Serve `prompts` one after another under each prefix index and block size; one row
-    per request: its prompt tokens, the longest prefix it shares with an earlier prompt,
-    and the prompt tokens each index served from the cache ("hash/16", "radix/64", ...)."""
-    frame = pd.DataFrame(index=pd.RangeIndex(len(prompts), name="request"))
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    for block_size in block_sizes:
-        for kind in kinds:
-            config = EngineConfig(
-                cache="paged",
-                block_size=block_size,
-                prefix_caching=kind,
-                max_model_len=max_model_len,
-                kv_budget_tokens=4 * max_model_len,
-            )
-            engine = Engine(model, config)
-            if "prompt tokens" not in frame:
-                ids = [engine.encode(p) for p in prompts]
-                frame["prompt tokens"] = [len(i) for i in ids]
-                frame["shared with earlier"] = [
-                    max((common_prefix(ids[j], ids[i]) for j in range(i)), default=0)
-                    for i in range(len(ids))
-                ]
-            hits = [serve(engine, p, params).metrics.prefix_hit_tokens for p in prompts]
-            frame[f"{kind}/{block_size}"] = hits
-    return frame
-
-
-# --- sharing one preamble -------------------------------------------------------------
-def measure_sharing(
-    model: LoadedModel,
-    prompts: Seq[Prompt],
-    prefix_caching: str | None,
-    block_size: int = 16,
-    max_new_tokens: int = 4,
-    max_model_len: int = 1024,
-) -> dict[str, float]:
-    """Serve `prompts` (first alone, the rest while it decodes) and count what it cost:
-    prompt tokens, tokens computed, hit rate and peak blocks / MiB of KV held."""
-    per_request = -(-(max_model_len) // block_size)
-    config = EngineConfig(
-        cache="paged",
-        block_size=block_size,
-        prefix_caching=prefix_caching,
-        max_model_len=max_model_len,
-        kv_budget_tokens=per_request * block_size * len(prompts),
-    )
-    engine = Engine(model, config)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    outputs = serve_sharing(engine, prompts, params)
-    stats = engine.stats()
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    hits = sum(o.metrics.prefix_hit_tokens for o in outputs)
-    return {
-        "requests": len(prompts),
-        "block size": block_size,
-        "prompt tokens": prompt_tokens,
-        "tokens computed": prompt_tokens - hits,
-        "hit rate %": round(100 * hits / prompt_tokens, 1),
-        "peak blocks": int(stats["blocks_used"].max()),
-        "peak KV MiB": round(float(stats["reserved_bytes"].max()) / MIB, 1),
-    }
-
-
-def sharing_table(
-    model: LoadedModel,
-    prompts: Seq[Prompt],
-    counts: Seq[int],
-    block_size: int = 16,
-    max_new_tokens: int = 4,
-) -> pd.DataFrame:
-    """measure_sharing with and without sharing for the first n prompts, n in `counts`."""
-    rows = [
-        {"mode": mode, **measure_sharing(model, prompts[:n], kind, block_size, max_new_tokens)}
-        for n in counts
-        for mode, kind in MODES.items()
-    ]
-    return pd.DataFrame(rows)
 
 
 SHARING_PANELS = (
@@ -388,47 +231,6 @@ class SharingExplorer:
         from IPython.display import display
 
         display(self.widget())
-
-
-# --- n > 1 sampling -------------------------------------------------------------------
-def fork_vs_separate(
-    model: LoadedModel,
-    prompt: Prompt,
-    params: SamplingParams,
-    block_size: int = 16,
-    max_model_len: int = 1024,
-) -> tuple[dict[str, dict[str, float]], dict[str, pd.DataFrame]]:
-    """`params.n` samples of one prompt two ways, prefix caching off in both: one request
-    whose samples fork with copy-on-write, and n separate requests (seeds seed + i, which
-    are the seeds the forks use). Returns a summary per way and each run's step stats."""
-    n = params.n
-    per_request = -(-(max_model_len) // block_size)
-    config = EngineConfig(
-        cache="paged",
-        block_size=block_size,
-        max_model_len=max_model_len,
-        kv_budget_tokens=per_request * block_size * n,
-    )
-    seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-    runs = {
-        f"n={n}, copy-on-write": [params],
-        f"{n} separate requests": [replace(params, n=1, seed=seed) for seed in seeds],
-    }
-    summary, stats = {}, {}
-    for name, param_list in runs.items():
-        engine = Engine(model, config)
-        outputs = engine.generate([prompt] * len(param_list), param_list)
-        samples = [s for o in outputs for s in o.samples]
-        stats[name] = engine.stats()
-        summary[name] = {
-            "samples": len(samples),
-            "tokens computed": int(stats[name]["tokens"].sum()),
-            "peak blocks": int(stats[name]["blocks_used"].max()),
-            "peak KV MiB": round(float(stats[name]["reserved_bytes"].max()) / MIB, 1),
-            "copy-on-write copies": engine.cache.copied_blocks,
-            "texts": [s.text for s in samples],
-        }
-    return summary, stats
 
 
 def blocks_figure(stats_by_name: dict[str, pd.DataFrame], title: str) -> go.Figure:

@@ -11,7 +11,8 @@ import torch
 from plotly.subplots import make_subplots
 
 from kvlab.cache.codecs import CODECS
-from kvlab.quality import roundtrip
+from kvlab.experiments.quality import roundtrip
+from kvlab.units import MiB
 
 
 def histogram(x: torch.Tensor, bins: int = 80) -> tuple[list[float], list[float]]:
@@ -35,7 +36,7 @@ class CodecExplorer:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, codec: str = "int8", layer: int = 0):
         self.k, self.v = k, v
-        self.codec = widgets.Dropdown(options=list(CODECS), value=codec, description="kv_dtype")
+        self.codec = widgets.Dropdown(options=list(CODECS), value=codec, description="kv_codec")
         self.layer = widgets.IntSlider(
             value=layer, min=0, max=k.shape[0] - 1, description="layer", continuous_update=False
         )
@@ -170,7 +171,7 @@ def capacity_figure(report: pd.DataFrame, budget_bytes: int | None = None) -> go
     """Requests held at once at one budget, per codec."""
     title = "Doc-QA requests the cache admits at once"
     if budget_bytes:
-        title += f" ({budget_bytes / 2**20:.0f} MiB of KV)"
+        title += f" ({budget_bytes / MiB:.0f} MiB of KV)"
     figure = go.Figure(
         go.Bar(
             x=report["codec"],

@@ -21,11 +21,12 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab import stress
 from kvlab.config import EngineConfig
-from kvlab.engine import Engine
-from kvlab.model_loading import LoadedModel
-from kvlab.scheduler import Event
+from kvlab.engine.engine import Engine
+from kvlab.engine.scheduler import Event
+from kvlab.experiments import stress
+from kvlab.model.loading import LoadedModel
+from kvlab.units import MiB
 
 STATE_COLORS = {
     "waiting": "#c7c7c7",
@@ -166,7 +167,7 @@ def _default_title(engine: Engine) -> str:
     s = engine.scheduler
     config = engine.config
     moved = (
-        f"{s.swapped_bytes / 2**20:.1f} MiB swapped out"
+        f"{s.swapped_bytes / MiB:.1f} MiB swapped out"
         if config.preemption == "swap"
         else f"{s.recomputed_tokens} tokens recomputed"
     )
@@ -244,7 +245,7 @@ def cost_figure(costs: pd.DataFrame) -> go.Figure:
     recompute = costs[costs["mode"] == "recompute"]
     fig.add_bar(
         x=swap["victim_tokens"],
-        y=swap["bytes_swapped"] / 2**20,
+        y=swap["bytes_swapped"] / MiB,
         name="MiB swapped out (and back in)",
         marker_color=colors["swap"],
         offsetgroup=0,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from kvlab.model_runner import ModelRunner
-from kvlab.why_cache import compare_decoding
+from kvlab.experiments.why_cache import compare_decoding
+from kvlab.model.runner import ModelRunner
 
 MODES = ("no cache", "KV cache")
 

@@ -161,7 +161,7 @@ result = check_block_allocator(LabBlockAllocator)
 #
 # ## What to try next
 #
-# * Compare with the library's `kvlab/cache/block_allocator.py`, and with vLLM v1's
+# * Compare with the library's `kvlab/cache/allocator.py`, and with vLLM v1's
 #   `BlockPool`: there, free and cached blocks share **one** LRU queue, and a block's
 #   prefix hash is dropped only when the queue hands the block out again.
 # * Why take free blocks before cached ones, even though the free list is FIFO?

@@ -102,7 +102,7 @@ result = check_int8_codec(quantize_int8, dequantize_int8)
 #
 # * Store the scale in `torch.float16` and run the grader: which magnitudes break, and why
 #   does kvlab store scales in bfloat16?
-# * Serve the real model with `EngineConfig(kv_dtype="int8")` and compare its greedy output
+# * Serve the real model with `EngineConfig(kv_codec="int8")` and compare its greedy output
 #   and perplexity with the baseline (the quantization notebook does this for every codec).
 # * vLLM's fp8 KV cache uses one scale per layer: fp8 has an exponent, so a shared scale
-#   hurts it far less than int8. Try `kv_dtype="fp8_e4m3"`.
+#   hurts it far less than int8. Try `kv_codec="fp8_e4m3"`.

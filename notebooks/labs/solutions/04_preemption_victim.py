@@ -37,8 +37,8 @@
 # running sets against the choice of kvlab's real `Scheduler`.
 
 # %%
+from kvlab.engine.sequence import Sequence
 from kvlab.labs import check_victim_choice, kvlab_victim, running_seq
-from kvlab.sequence import Sequence
 
 # %% [markdown]
 # ## The exercise

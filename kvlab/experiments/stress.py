@@ -23,10 +23,10 @@ import pandas as pd
 
 from kvlab import texts
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine import Engine, Prompt
-from kvlab.model_loading import LoadedModel
-from kvlab.outputs import RequestOutput
-from kvlab.scheduler import Event
+from kvlab.engine.engine import Engine, Prompt
+from kvlab.engine.outputs import RequestOutput
+from kvlab.engine.scheduler import Event
+from kvlab.model.loading import LoadedModel
 from kvlab.workloads import Request
 
 STATES = ("waiting", "running", "preempted", "swapped")  # the states a Gantt bar can show
@@ -51,7 +51,7 @@ def gantt_intervals(events: Iterable[Event], end_s: float) -> pd.DataFrame:
             state, start = open_.pop(event.request_id)
             rows.append((event.request_id, state, start, event.time_s))
         if event.state not in TERMINAL:
-            open_[event.request_id] = (event.state, event.time_s)
+            open_[event.request_id] = (str(event.state), event.time_s)
     rows += [(rid, state, start, max(start, end_s)) for rid, (state, start) in open_.items()]
     merged: list[list] = []
     for rid, state, start, end in sorted(

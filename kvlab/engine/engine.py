@@ -17,16 +17,18 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from kvlab.attention_metadata import build_attention_metadata
-from kvlab.cache import make_cache
+from kvlab.cache import CACHES, make_cache
 from kvlab.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SamplingParams
-from kvlab.model_loading import LoadedModel
-from kvlab.model_runner import ModelRunner
-from kvlab.outputs import RequestMetrics, RequestOutput, Sample
-from kvlab.sampler import sample
-from kvlab.scheduler import Batch, Scheduler
-from kvlab.sequence import Sequence
-from kvlab.telemetry import StepRecord, Telemetry
+from kvlab.engine.outputs import RequestMetrics, RequestOutput, Sample
+from kvlab.engine.sampler import sample
+from kvlab.engine.scheduler import Batch, Scheduler
+from kvlab.engine.sequence import RequestState, Sequence
+from kvlab.engine.telemetry import StepRecord, Telemetry
+from kvlab.integrity import require
+from kvlab.model.loading import LoadedModel
+from kvlab.model.metadata import build_attention_metadata
+from kvlab.model.prompts import encode_prompt
+from kvlab.model.runner import ModelRunner
 
 if TYPE_CHECKING:
     from kvlab.workloads import Request
@@ -51,7 +53,7 @@ class Engine:
             self.max_model_len,
         )
         if self.config.attention == "kernels":
-            from kvlab.kernel_attention import KernelAttention
+            from kvlab.model.kernel_attention import KernelAttention
 
             self.runner.attention_fn = KernelAttention(self.cache.block_size)
         self.scheduler = Scheduler(self.config, self.cache)
@@ -81,24 +83,13 @@ class Engine:
 
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt; strings get the chat template when the model has one."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one character")
-            if chat is None:
-                chat = bool(getattr(self.tokenizer, "chat_template", None))
-            if chat:
-                messages = [{"role": "user", "content": prompt}]
-                return list(
-                    self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                    )
-                )
-            return list(self.tokenizer.encode(prompt))
-        ids = [int(t) for t in prompt]
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt is empty: give at least one character")
+        ids = encode_prompt(self.tokenizer, prompt, chat)
         vocab = self.runner.embed.shape[0]
         if not ids:
             raise ValueError("prompt is empty: give at least one token id")
-        if min(ids) < 0 or max(ids) >= vocab:
+        if not isinstance(prompt, str) and (min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the vocabulary size)")
         return ids
 
@@ -122,8 +113,12 @@ class Engine:
                 f"prompt of {len(ids)} tokens does not leave room for one new token within "
                 f"max_model_len={self.max_model_len}"
             )
-        if params.n > 1 and self.config.cache != "paged":
-            raise ValueError(f"SamplingParams.n={params.n} > 1 needs EngineConfig(cache='paged')")
+        if params.n > 1 and not self.cache.forks:
+            forking = " or ".join(repr(n) for n, c in CACHES.items() if c.forks)
+            raise ValueError(
+                f"SamplingParams.n={params.n} > 1 needs EngineConfig(cache={forking}), a cache "
+                f"whose sequences fork; cache={self.config.cache!r} does not"
+            )
         if params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"SamplingParams.n={params.n} samples run at once, more than "
@@ -170,8 +165,10 @@ class Engine:
     # --- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batched forward (prefill or decode); return requests that finished."""
-        batch = self.scheduler.schedule(self.clock())
+        now = self.clock()
+        batch = self.scheduler.schedule(now)
         if batch is None:
+            self._check_not_stalled(now)
             self._wait_for_arrival()
             return []
         started = time.perf_counter()
@@ -204,7 +201,7 @@ class Engine:
         for row, token in zip(ready, tokens):
             seq = batch.seqs[row]
             members = [seq]
-            if seq.first_token_s is None:
+            if seq.first_token_s is None and self.cache.shares_prefixes:
                 self.cache.publish(seq)  # its prompt blocks are now reusable by others
                 members += self._fork(seq, logits[row])
             seq.output_ids.append(token)
@@ -219,7 +216,9 @@ class Engine:
     def _retire(self, seq: Sequence, reason: str, now: float) -> list[RequestOutput]:
         seq.finish_s, seq.finish_reason = now, reason
         seq.first_token_s = seq.first_token_s or now
-        self.scheduler.finish(seq, "cancelled" if reason == "cancelled" else "finished", now)
+        cancelled = reason == "cancelled"
+        state = RequestState.CANCELLED if cancelled else RequestState.FINISHED
+        self.scheduler.finish(seq, state, now)
         return self._complete(seq)
 
     def cancel(self, request_id: int) -> bool:
@@ -273,6 +272,16 @@ class Engine:
         if seq.num_tokens >= self.max_model_len:
             return "max_model_len"
         return None
+
+    def _check_not_stalled(self, now: float) -> None:
+        """Nothing ran: only requests that have not arrived yet may be the reason."""
+        s = self.scheduler
+        arrived = [seq for seq in s.waiting if seq.arrival_s <= now]
+        require(
+            not (arrived or s.running or s.swapped),
+            f"the scheduler found nothing to run while {len(arrived)} requests wait, "
+            f"{len(s.running)} run and {len(s.swapped)} are swapped out",
+        )
 
     def _wait_for_arrival(self) -> None:
         upcoming = self.scheduler.next_arrival()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvlab.model_loading import LoadedModel
+from kvlab.model.loading import LoadedModel
 
 DEFAULT_BATCH_SIZE = 16
 

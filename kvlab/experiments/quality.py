@@ -31,19 +31,26 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import texts, workloads
-from kvlab.attention_metadata import build_attention_metadata
-from kvlab.cache.codecs import CODECS, codec_class
-from kvlab.cache.pool import KVPool, KVSpec
+from kvlab.cache.codecs import CODECS
+from kvlab.cache.pool import KVPool
+from kvlab.cache.spec import KVSpec
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine import Engine
-from kvlab.model_loading import LoadedModel
-from kvlab.model_runner import ModelRunner
+from kvlab.engine.engine import Engine
+from kvlab.model.loading import LoadedModel
+from kvlab.model.metadata import build_attention_metadata
+from kvlab.model.runner import ModelRunner
+from kvlab.units import MiB
 
-BASELINE = "baseline"  # the codec column's name for kv_dtype=None
+BASELINE = "baseline"  # the codec column's name for kv_codec=None
 
 
-def label(kv_dtype: str | None) -> str:
-    return BASELINE if kv_dtype is None else kv_dtype
+def named(kv_codecs: Sequence[str] | None) -> list[str]:
+    """The codecs to measure: the given names, or every registered codec (None)."""
+    return list(CODECS.names() if kv_codecs is None else kv_codecs)
+
+
+def label(kv_codec: str | None) -> str:
+    return BASELINE if kv_codec is None else kv_codec
 
 
 def _slots_for(num_tokens: int) -> int:
@@ -65,7 +72,7 @@ class TeacherForcing:
 def teacher_forced(
     runner: ModelRunner,
     ids: Sequence[int],
-    kv_dtypes: Sequence[str] = CODECS,
+    kv_codecs: Sequence[str] | None = None,
     chunk: int = 128,
     scored_from: int = 0,
 ) -> TeacherForcing:
@@ -78,7 +85,7 @@ def teacher_forced(
     if not 0 <= scored_from < n:
         raise ValueError(f"need scored_from={scored_from} in [0, {n}) for {len(ids)} token ids")
     slots = _slots_for(n)
-    names = [None, *kv_dtypes]
+    names = [None, *named(kv_codecs)]
     pools = {
         name: KVPool(runner.kv_spec, slots, runner.dtype, runner.device, name) for name in names
     }
@@ -119,11 +126,11 @@ def teacher_forced(
 
 
 def roundtrip(
-    kv_dtype: str | None, k: torch.Tensor, v: torch.Tensor, chunk: int = 128
+    kv_codec: str | None, k: torch.Tensor, v: torch.Tensor, chunk: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V written through a codec in chunks and read back. k, v: (layers, N, heads, dim)."""
     layers, n, heads, dim = k.shape
-    pool = KVPool(KVSpec(layers, heads, dim), _slots_for(n), k.dtype, k.device, kv_dtype)
+    pool = KVPool(KVSpec(layers, heads, dim), _slots_for(n), k.dtype, k.device, kv_codec)
     for start in range(0, n, chunk):
         slots = torch.arange(start, min(start + chunk, n), device=k.device)
         for layer in range(layers):
@@ -133,9 +140,9 @@ def roundtrip(
     return torch.stack([d[0][0] for d in decoded]), torch.stack([d[1][0] for d in decoded])
 
 
-def kv_error(kv_dtype: str | None, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
+def kv_error(kv_codec: str | None, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
     """Max and mean absolute error of the codec on these K/V (layers, N, heads, dim)."""
-    k_hat, v_hat = roundtrip(kv_dtype, k, v)
+    k_hat, v_hat = roundtrip(kv_codec, k, v)
     k_err, v_err = (k_hat - k).abs(), (v_hat - v).abs()
     return {
         "k_max_err": float(k_err.max()),
@@ -147,7 +154,7 @@ def kv_error(kv_dtype: str | None, k: torch.Tensor, v: torch.Tensor) -> dict[str
 
 def greedy_tokens(
     model: LoadedModel,
-    kv_dtype: str | None,
+    kv_codec: str | None,
     prompts: Sequence[str],
     new_tokens: int = 32,
     max_model_len: int = 512,
@@ -155,7 +162,7 @@ def greedy_tokens(
     """Greedy answers of the paged engine for every prompt (to EOS, at most new_tokens)."""
     config = EngineConfig(
         cache="paged",
-        kv_dtype=kv_dtype,
+        kv_codec=kv_codec,
         max_model_len=max_model_len,
         kv_budget_tokens=len(prompts) * max_model_len,
     )
@@ -167,7 +174,7 @@ def stepwise_agreement(
     runner: ModelRunner,
     prompts: Sequence[Sequence[int]],
     answers: Sequence[Sequence[int]],
-    kv_dtypes: Sequence[str] = CODECS,
+    kv_codecs: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Per codec: how often its greedy choice equals the baseline's at each step of the
     baseline's greedy answers, every step given the same history (the answer so far).
@@ -177,13 +184,14 @@ def stepwise_agreement(
     lockstep. Unlike `agreement` of free-running answers, one near-tie costs one token,
     not the rest of the answer. Answer-weighted over all prompts.
     """
-    hits = dict.fromkeys([BASELINE, *map(label, kv_dtypes)], 0.0)
+    kv_codecs = named(kv_codecs)
+    hits = dict.fromkeys([BASELINE, *map(label, kv_codecs)], 0.0)
     total = 0
     for prompt, answer in zip(prompts, answers):
         if not answer:
             continue
         ids = [*prompt, *answer]
-        frame = teacher_forced(runner, ids, kv_dtypes, scored_from=len(prompt) - 1).frame
+        frame = teacher_forced(runner, ids, kv_codecs, scored_from=len(prompt) - 1).frame
         for codec, top1 in zip(frame["codec"], frame["top1_agreement"]):
             hits[codec] += top1 * len(answer)
         total += len(answer)
@@ -201,7 +209,7 @@ def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
 
 def capacity(
     model: LoadedModel,
-    kv_dtype: str | None,
+    kv_codec: str | None,
     budget_bytes: int,
     requests: Sequence[workloads.Request] | Sequence[tuple[list[int], int]],
     max_model_len: int = 2048,
@@ -216,25 +224,25 @@ def capacity(
     pairs = [
         (r.prompt, r.max_new_tokens) if isinstance(r, workloads.Request) else r for r in requests
     ]
-    held = _admitted(model, kv_dtype, budget_bytes, pairs, max_model_len)
-    window = codec_class(kv_dtype).window_tokens
+    held = _admitted(model, kv_codec, budget_bytes, pairs, max_model_len)
+    window = CODECS[kv_codec].window_tokens
     if window and held:
         runner = ModelRunner(model.hf_model)
-        per_seq = window * codec_class(None).token_bytes(runner.kv_spec, runner.dtype)
+        per_seq = window * CODECS[None].token_bytes(runner.kv_spec, runner.dtype)
         # Feasible: at most `held` windows are set aside, and fewer sequences are admitted.
-        held = _admitted(model, kv_dtype, budget_bytes - held * per_seq, pairs, max_model_len)
+        held = _admitted(model, kv_codec, budget_bytes - held * per_seq, pairs, max_model_len)
     return held
 
 
 def _admitted(
     model: LoadedModel,
-    kv_dtype: str | None,
+    kv_codec: str | None,
     budget_bytes: int,
     pairs: list[tuple[str | list[int], int]],
     max_model_len: int,
 ) -> int:
     config = EngineConfig(
-        cache="paged", kv_dtype=kv_dtype, kv_budget_bytes=budget_bytes, max_model_len=max_model_len
+        cache="paged", kv_codec=kv_codec, kv_budget_bytes=budget_bytes, max_model_len=max_model_len
     )
     engine = Engine(model, config)
     admitted = 0
@@ -251,12 +259,12 @@ def _admitted(
 
 
 def bytes_table(
-    spec: KVSpec, dtype: torch.dtype, kv_dtypes: Sequence[str] = CODECS
+    spec: KVSpec, dtype: torch.dtype, kv_codecs: Sequence[str] | None = None
 ) -> pd.DataFrame:
     """Bytes per token of every codec for a model's KV shape, scales included."""
     rows = []
-    for name in (None, *kv_dtypes):
-        cls = codec_class(name)
+    for name in (None, *named(kv_codecs)):
+        cls = CODECS[name]
         rows.append(
             {"codec": label(name), "describe": cls.describe,
              "bytes_per_token": cls.token_bytes(spec, dtype)}
@@ -268,14 +276,14 @@ def bytes_table(
 
 def codec_report(
     model: LoadedModel,
-    kv_dtypes: Sequence[str] = CODECS,
+    kv_codecs: Sequence[str] | None = None,
     *,
     text_tokens: int = 1024,
     chunk: int = 128,
     prompts: Sequence[str] | None = None,
     new_tokens: int = 48,
     free_run: int = 16,
-    budget_bytes: int = 256 * 2**20,
+    budget_bytes: int = 256 * MiB,
     requests: Sequence[workloads.Request] | None = None,
     forcing: TeacherForcing | None = None,
 ) -> pd.DataFrame:
@@ -287,21 +295,21 @@ def codec_report(
     costly part) uses the first `free_run` prompts.
     `forcing` reuses a teacher_forced() result computed on the same codecs.
     """
-    runner = ModelRunner(model.hf_model)
+    runner, kv_codecs = ModelRunner(model.hf_model), named(kv_codecs)
     if forcing is None:
-        forcing = teacher_forced(runner, heldout_ids(model, text_tokens), kv_dtypes, chunk)
+        forcing = teacher_forced(runner, heldout_ids(model, text_tokens), kv_codecs, chunk)
     prompts = list(prompts) if prompts is not None else texts.chat_prompts()
     if requests is None:
         requests = workloads.doc_qa(n=64, long_fraction=0.0)
     engine = Engine(model, EngineConfig(cache="paged", kv_budget_tokens=16))
     encoded = [(engine.encode(r.prompt), r.max_new_tokens) for r in requests]
-    names = [None, *kv_dtypes]
+    names = [None, *kv_codecs]
     reference = greedy_tokens(model, None, prompts, new_tokens)
     prompt_ids = [engine.encode(p) for p in prompts]
-    stepwise = stepwise_agreement(runner, prompt_ids, reference, kv_dtypes)
+    stepwise = stepwise_agreement(runner, prompt_ids, reference, kv_codecs)
     rows = []
     for name in names:
-        cls = codec_class(name)
+        cls = CODECS[name]
         free = prompts[:free_run]
         tokens = reference if name is None else greedy_tokens(model, name, free, new_tokens)
         rows.append(

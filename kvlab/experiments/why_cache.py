@@ -12,9 +12,9 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.attention_metadata import build_attention_metadata
 from kvlab.cache.pool import KVPool
-from kvlab.model_runner import ModelRunner
+from kvlab.model.metadata import build_attention_metadata
+from kvlab.model.runner import ModelRunner
 
 
 def decode_timings(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvlab.cache.base import KVCache
 from kvlab.config import EngineConfig
-from kvlab.sequence import Sequence, SequenceStatus
+from kvlab.engine.sequence import RequestState, Sequence
 
 Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
 
@@ -58,11 +58,11 @@ def is_decode(seq: Sequence, num_new: int) -> bool:
 
 @dataclass(frozen=True)
 class Event:
-    """A request changed state: waiting, running, preempted, swapped, finished, cancelled."""
+    """A request entered a state (at `time_s` on the engine clock)."""
 
     time_s: float
     request_id: int
-    state: str
+    state: RequestState
 
 
 def queue_key(seq: Sequence) -> tuple:
@@ -101,16 +101,16 @@ class Scheduler:
     # --- queues --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=queue_key)
-        self.events.append(Event(seq.arrival_s, seq.request_id, "waiting"))
+        self.events.append(Event(seq.arrival_s, seq.request_id, RequestState.WAITING))
 
     def adopt(self, seq: Sequence) -> None:
         """A sequence the cache admitted outside the queue (an n > 1 fork) joins `running`.
 
         Its seat was counted when its parent was admitted (`seats`)."""
-        seq.status = SequenceStatus.RUNNING
+        seq.status = RequestState.RUNNING
         seq.admit_order = self._next_admission()
         self.running.append(seq)
-        self.events.append(Event(self._now, seq.request_id, "running"))
+        self.events.append(Event(self._now, seq.request_id, RequestState.RUNNING))
 
     def next_arrival(self) -> float | None:
         return min((s.arrival_s for s in self.waiting), default=None)
@@ -118,7 +118,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish(self, seq: Sequence, state: str = "finished", now: float | None = None) -> None:
+    def finish(
+        self, seq: Sequence, state: RequestState = RequestState.FINISHED, now: float | None = None
+    ) -> None:
         """Retire a sequence (finished or cancelled) and free its KV memory at once."""
         if seq in self.running:
             self.running.remove(seq)
@@ -128,7 +130,7 @@ class Scheduler:
             del self.swap_space[seq.request_id]
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.status = state
         self.events.append(Event(self._now if now is None else now, seq.request_id, state))
 
     # --- the step's batch ----------------------------------------------------------
@@ -208,7 +210,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             self.cache.admit(seq, alone)
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestState.RUNNING
             seq.admit_order = self._next_admission()
             self._resume(seq)
             self.running.append(seq)
@@ -229,7 +231,7 @@ class Scheduler:
         if seq.preempted_at is not None:
             seq.stall_s += self._now - seq.preempted_at
             seq.preempted_at = None
-        self.events.append(Event(self._now, seq.request_id, "running"))
+        self.events.append(Event(self._now, seq.request_id, RequestState.RUNNING))
 
     # --- memory ----------------------------------------------------------------------
     def _secure_blocks(self, rows: list[Row]) -> list[Row]:
@@ -260,14 +262,14 @@ class Scheduler:
             self.swap_space[victim.request_id] = saved
             self.swapped_bytes += saved.nbytes
             bisect.insort(self.swapped, victim, key=queue_key)
-            self.events.append(Event(self._now, victim.request_id, "swapped"))
+            victim.status = RequestState.SWAPPED
         else:
             self.cache.free(victim)
             self.recomputed_tokens += victim.num_computed
             victim.num_computed = victim.prefix_hit_tokens = 0
             bisect.insort(self.waiting, victim, key=queue_key)
-            self.events.append(Event(self._now, victim.request_id, "preempted"))
-        victim.status = SequenceStatus.WAITING
+            victim.status = RequestState.PREEMPTED
+        self.events.append(Event(self._now, victim.request_id, victim.status))
 
     def _swap_in(self) -> None:
         while self.swapped:
@@ -278,6 +280,6 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             self.cache.swap_in(seq, self.swap_space.pop(seq.request_id))
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestState.RUNNING
             self._resume(seq)
             self.running.append(seq)

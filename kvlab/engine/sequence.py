@@ -10,10 +10,18 @@ import torch
 from kvlab.config import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
+class RequestState(str, enum.Enum):
+    """Where a request is: the one vocabulary of sequences, scheduler events and plots."""
+
     WAITING = "waiting"  # queued, holds no KV memory
     RUNNING = "running"  # admitted, its KV lives in the cache
+    PREEMPTED = "preempted"  # its KV was dropped; it waits to be recomputed
+    SWAPPED = "swapped"  # its KV sits in host memory; it waits to be swapped back in
     FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -27,7 +35,7 @@ class Sequence:
     salt: str | None = None  # tenant / cache namespace: different salts never share KV
     priority: int = 0
     output_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestState = RequestState.WAITING
     num_computed: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     first_token_s: float | None = None
@@ -56,4 +64,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status in (RequestState.FINISHED, RequestState.CANCELLED)

@@ -30,14 +30,12 @@ inputs with |x| <= 1e38 only.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.cache.codecs import SCALE_DTYPE, KVCodec, StoredKV, _scale, group_size, pack, unpack
-
-if TYPE_CHECKING:
-    from kvlab.cache.pool import KVSpec
+from kvlab.cache.codecs import CODECS
+from kvlab.cache.codecs.base import SCALE_DTYPE, KVCodec, KVSpec, StoredKV
+from kvlab.cache.codecs.quant import group_size, pack, scale_for, unpack
 
 LEVELS = 3  # 2 bits: codes 0..3
 
@@ -53,7 +51,7 @@ def quantize_asymmetric(
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     z = lo.to(SCALE_DTYPE)
     z = torch.where(z.float() > lo, torch.nextafter(z, torch.full_like(z, -math.inf)), z)
-    s = _scale(hi - z.float(), levels)
+    s = scale_for(hi - z.float(), levels)
     sf = s.float()
     q = torch.where(sf > 0, (x - z.float()) / sf, 0.0).round().clamp(0, levels)
     return q, s, z
@@ -63,10 +61,11 @@ def dequantize_asymmetric(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> 
     return z.float() + q.float() * s.float()
 
 
+@CODECS.register("kivi2")
 class Kivi2(KVCodec):
     """2-bit keys per channel over 16-token groups, 2-bit values per token, exact window."""
 
-    name, describe = "kivi2", "2-bit: keys per channel (16-token groups), values per token"
+    describe = "2-bit: keys per channel (16-token groups), values per token"
     group = 16  # G: positions per key group
     alignment = group
     window_tokens = group - 1  # in the model's dtype, per running sequence
@@ -84,9 +83,9 @@ class Kivi2(KVCodec):
         super().__init__(spec, num_slots, dtype, device)
         layers, heads, dim, g = spec.num_layers, spec.num_kv_heads, spec.head_dim, self.group
         if dim % 4:
-            raise ValueError(f"kv_dtype='kivi2' packs 4 codes per byte: head_dim={dim} % 4 != 0")
+            raise ValueError(f"kv_codec='kivi2' packs 4 codes per byte: head_dim={dim} % 4 != 0")
         if num_slots % g:
-            raise ValueError(f"kv_dtype='kivi2' needs a multiple of {g} slots, got {num_slots}")
+            raise ValueError(f"kv_codec='kivi2' needs a multiple of {g} slots, got {num_slots}")
         self.num_groups, self.value_group = num_slots // g, group_size(dim)
 
         def empty(*shape: int, dtype: torch.dtype = SCALE_DTYPE) -> torch.Tensor:

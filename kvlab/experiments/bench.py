@@ -30,20 +30,12 @@ import plotly.graph_objects as go
 import torch
 from tqdm.auto import tqdm
 
-from kvlab.compare import (
-    PALETTE,
-    PEER_COLOR,
-    default_max_model_len,
-    encode_requests,
-    model_bytes_per_token,
-    parse_config,
-    round_up,
-    write_report,
-)
-from kvlab.engine import Engine
-from kvlab.model_loading import LoadedModel
-from kvlab.peers import choose_batch_size, hf_generate, hf_generate_batch
-from kvlab.workloads import Request
+from kvlab.engine.engine import Engine
+from kvlab.experiments.configs import default_max_model_len, model_bytes_per_token, parse_config
+from kvlab.experiments.peers import choose_batch_size, hf_generate, hf_generate_batch
+from kvlab.model.loading import LoadedModel
+from kvlab.units import round_up
+from kvlab.workloads import Request, encode_requests
 
 PEERS = ("hf-generate", "hf-generate-batch")
 DEFAULT_KVLAB_CONFIG = "paged+prefix"
@@ -161,25 +153,15 @@ class BenchResult:
 
     def figure(self) -> go.Figure:
         """Output tok/s per system: kvlab coloured, peers grey, ratios in the title."""
-        names = list(self.systems)
-        colors = [
-            PALETTE[i % len(PALETTE)] if is_kvlab(n) else PEER_COLOR for i, n in enumerate(names)
-        ]
-        rates = [self.systems[n].tok_s for n in names]
-        ratios = ", ".join(f"{k} = {v:.2f}x" for k, v in self.ratios().items())
-        fig = go.Figure(
-            go.Bar(x=names, y=rates, marker_color=colors, text=[f"{r:.1f}" for r in rates])
-        )
-        fig.update_layout(
-            title=f"{self.workload}: output tok/s<br><sup>{ratios}</sup>",
-            yaxis_title="output tok/s",
-            height=380,
-        )
-        return fig
+        from kvlab.viz.bench import bench_figure
+
+        return bench_figure(self)
 
     def write_html(self, path: str | Path) -> None:
         note = ", ".join(f"{k}: {v}" for k, v in self.meta.items() if not isinstance(v, dict))
         tables = {"systems": self.table(), "ratios": pd.Series(self.ratios()).to_frame("ratio")}
+        from kvlab.viz.report import write_report
+
         write_report(path, f"kvlab bench: {self.workload}", note, tables, {"tok/s": self.figure()})
 
 
@@ -207,7 +189,7 @@ def run_bench(
     """Run `requests` through kvlab (each config) and the peers; see the module doc.
 
     Args:
-        configs: kvlab config names (`kvlab.compare.parse_config`); one is reported as
+        configs: kvlab config names (`kvlab.experiments.compare.parse_config`); one is reported as
             "kvlab", several as "kvlab-<name>".
         peers: any of PEERS.
         budget_bytes: KV budget for kvlab and for hf-generate-batch's cache, and the

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlab.attention import pooled_attention
-from kvlab.attention_metadata import AttentionMetadata
-from kvlab.cache.pool import KVPool, KVSpec
+from kvlab.cache.pool import KVPool
+from kvlab.cache.spec import KVSpec
+from kvlab.model.attention import pooled_attention
+from kvlab.model.metadata import AttentionMetadata
 
 AttentionFn = Callable[[torch.Tensor, int, KVPool, AttentionMetadata, float], torch.Tensor]
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf model -> LayerWeights
@@ -36,6 +37,13 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: torch.Tensor  # (2 * intermediate, hidden)
     down: torch.Tensor  # (hidden, intermediate)
+
+
+def kv_spec_of(config) -> KVSpec:
+    """The KV shape of a Llama-family transformers config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVSpec(config.num_hidden_layers, config.num_key_value_heads or heads, head_dim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +70,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        self.kv_spec = KVSpec(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim)
+        self.kv_spec = kv_spec_of(cfg)
         self.attention_fn = attention_fn
 
         base = hf_model.model

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.attention import pooled_attention
-from kvlab.attention_metadata import AttentionMetadata
 from kvlab.cache.pool import KVPool
+from kvlab.model.attention import pooled_attention
+from kvlab.model.metadata import AttentionMetadata
 
 KERNEL_CODECS = (None, "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALED = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -33,8 +33,8 @@ def pool_layer(pool: KVPool, layer: int) -> dict:
     """One layer's stored K/V (and scales) in the kernels' argument names."""
     codec = pool.codec
     k, v = codec.k_fields, codec.v_fields  # each [codes, scales?], (layers, slots, ...)
-    args = {"k_cache": k[0][layer], "v_cache": v[0][layer], "kv_dtype": pool.kv_dtype}
-    if pool.kv_dtype in SCALED:
+    args = {"k_cache": k[0][layer], "v_cache": v[0][layer], "kv_codec": pool.kv_codec}
+    if pool.kv_codec in SCALED:
         args.update(k_scale=k[1][layer], v_scale=v[1][layer])
     return args
 
@@ -64,7 +64,7 @@ class KernelAttention:
 
     def handles(self, pool: KVPool, meta: AttentionMetadata) -> bool:
         """A decode step (one query row per sequence) over a codec the kernels read."""
-        return meta.query_valid.shape[1] == 1 and pool.kv_dtype in KERNEL_CODECS
+        return meta.query_valid.shape[1] == 1 and pool.kv_codec in KERNEL_CODECS
 
     def __call__(
         self, q: torch.Tensor, layer: int, pool: KVPool, meta: AttentionMetadata, scale: float
@@ -99,7 +99,7 @@ def kernel_write(
     backend: str | None = None,
 ) -> None:
     """pool.write(layer, slots, k, v), through kvlab.kernels.kv_write where it applies."""
-    if pool.kv_dtype not in KERNEL_CODECS:
+    if pool.kv_codec not in KERNEL_CODECS:
         pool.write(layer, slots, k, v)
         return
     from kvlab.kernels import kv_write

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlab.attention_metadata import AttentionMetadata
 from kvlab.cache.pool import KVPool
+from kvlab.model.metadata import AttentionMetadata
 
 
 def pooled_attention(
