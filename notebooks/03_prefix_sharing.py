@@ -215,11 +215,11 @@ print({name: warm[name].token_ids == cold[name].token_ids for name in prompts})
 
 # %%
 explorer = viz.SharingExplorer(model, sharing.preamble_prompts(16), requests=8, max_new_tokens=4)
-sharing = explorer.sweep([1, 2, 4, 8])
-print(sharing.to_string(index=False))
+sweep = explorer.sweep([1, 2, 4, 8])
+print(sweep.to_string(index=False))
 
 # %%
-viz.sharing_figure(sharing).show()
+viz.sharing_figure(sweep).show()
 
 # %% [markdown]
 # Without sharing every request computes and stores its whole prompt, so both costs grow
@@ -228,7 +228,7 @@ viz.sharing_figure(sharing).show()
 # the question). The hit rate approaches the preamble's share of a prompt (~90%).
 
 # %%
-n8 = sharing[sharing["requests"] == 8].set_index("mode")
+n8 = sweep[sweep["requests"] == 8].set_index("mode")
 computed, blocks = n8["tokens computed"], n8["peak blocks"]
 print(
     f"8 requests: {computed['with sharing']} vs {computed['without sharing']} prompt tokens "

@@ -193,7 +193,7 @@ def make_pool(
     slots -= slots % unit
     if slots == 0:
         raise ValueError(
-            f"KV budget holds fewer token slots ({per_token} bytes each) than one "
-            f"{cache.name} sequence needs ({field}={unit}): too small"
+            f"KV budget holds fewer token slots ({per_token} bytes each) than "
+            f"{field}={unit}: too small for even one {cache.name} sequence"
         )
     return KVPool(spec, slots, dtype, device, config.kv_codec)
