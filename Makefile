@@ -8,13 +8,14 @@ STAMP := $(VENV)/.kvlab-installed
 # The CPU build of torch; a torch already in the venv (e.g. a CUDA build) is kept.
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
-# The notebooks nbval checks against their stored outputs. The lab notebooks run with
-# their solutions filled in (the exercises' skeletons would fail their graders).
+# The notebooks nbval checks against their stored outputs. The labs run as their solved
+# sources, notebooks/labs/source/ (the learners' versions would fail their graders; the
+# test_labs suite runs those and checks that every check cell says "not implemented yet").
 NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb \
 	notebooks/03_prefix_sharing.ipynb notebooks/04_quantized_kv.ipynb \
 	notebooks/05_scheduler_under_pressure.ipynb \
 	notebooks/06_kernels.ipynb notebooks/07_dashboard.ipynb \
-	notebooks/08_capacity_planner.ipynb notebooks/labs/solutions
+	notebooks/08_capacity_planner.ipynb notebooks/labs/source
 
 .PHONY: setup lab test lint browser bench clean
 

@@ -8,13 +8,17 @@ smallest failing input found (as code to paste and run) and what was expected.
     from kvlab.labs import check_block_allocator
     result = check_block_allocator(MyAllocator)   # prints "... all 5 checks passed."
 
-The lab notebooks are in notebooks/labs/; reference solutions in `kvlab.labs.solutions`.
+The references are kvlab's own parts, through their public interfaces: `BlockAllocator`,
+`HashPrefixIndex.keys` (`kvlab_block_keys`), the `Int8` codec (`kvlab_quantize`,
+`kvlab_dequantize`) and `kvlab.engine.scheduler.choose_victim` (`kvlab_victim`). The labs
+are notebooks/labs/source/<lab>/<lab>.ipynb (nbgrader sources, solved); the learners'
+notebooks/labs/<lab>.ipynb are generated from them by `python -m kvlab.labs.student`.
 """
 
 from kvlab.labs.allocator import check_block_allocator
 from kvlab.labs.grading import Failure, LabFailure, LabResult
-from kvlab.labs.hashing import check_block_hash
-from kvlab.labs.int8 import check_int8_codec
+from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
+from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
 from kvlab.labs.victim import check_victim_choice, kvlab_victim, running_seq
 
 __all__ = [
@@ -25,6 +29,9 @@ __all__ = [
     "check_block_hash",
     "check_int8_codec",
     "check_victim_choice",
+    "kvlab_block_keys",
+    "kvlab_dequantize",
+    "kvlab_quantize",
     "kvlab_victim",
     "running_seq",
 ]

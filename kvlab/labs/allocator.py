@@ -1,17 +1,19 @@
 """Lab 1 grader: a block allocator with reference counts and an LRU pool of cached blocks.
 
-The learner's class is driven by random operation sequences next to a small model of
-what every block should be (free, used with n references, cached in LRU order); after
-every call the two must agree. Then the class replaces the allocator inside kvlab's
-PagedCache and serves random traffic with prefix sharing (kvlab/labs/sharing.py).
+The learner's class is driven by random operation sequences side by side with kvlab's own
+`BlockAllocator` (kvlab/cache/allocator.py), the reference: after every call the two must
+agree on every block's reference count, on the cached blocks (in LRU order) and on the
+counters, and each call must return (or raise) what kvlab's does. Only where several
+answers are right does the learner choose: `allocate()` may hand out any free block, and
+kvlab's allocator is then given the same one. Then the class replaces the allocator inside
+kvlab's PagedCache and serves random traffic with prefix sharing (kvlab/labs/sharing.py).
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 
-from kvlab.cache import HashPrefixIndex, OutOfBlocks, RadixPrefixIndex
+from kvlab.cache import BlockAllocator, HashPrefixIndex, OutOfBlocks, RadixPrefixIndex
 from kvlab.labs import sharing
 from kvlab.labs.grading import Broken, Case, LabResult, Transcript, grade, search, where
 
@@ -36,17 +38,28 @@ SHARED = (*BASIC, "share", "double_free", "incref_free")
 CACHED = (*SHARED, "cache", "cache", "revive", "uncache")
 
 
-class _Model:
-    """What the allocator should hold: reference counts, free set, cached blocks (LRU first)."""
+class _Reference:
+    """kvlab's BlockAllocator, recording its on_evict calls: what every block should be."""
 
     def __init__(self, num_blocks: int):
+        self.evicted: list[int] = []
+        self.allocator = BlockAllocator(num_blocks, on_evict=self.evicted.append)
         self.num_blocks = num_blocks
-        self.refs = [0] * num_blocks
-        self.free = set(range(num_blocks))
-        self.cached: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def refs(self) -> list[int]:
+        return list(self.allocator.ref_counts)
+
+    @property
+    def free(self) -> list[int]:
+        return sorted(self.allocator.free_blocks)
+
+    @property
+    def cached(self) -> list[int]:  # least recently used first
+        return list(self.allocator.cached)
 
     def used(self) -> list[int]:
-        return [b for b in range(self.num_blocks) if self.refs[b] > 0]
+        return [b for b in range(self.num_blocks) if self.allocator.ref_counts[b] > 0]
 
 
 def _cases(seed: int, count: int, ops: tuple[str, ...], max_ops: int) -> list[Case]:
@@ -81,11 +94,11 @@ def _run(cls: type, case: Case) -> None:
         raise
     except Exception as error:
         raise t.broken(NO_CRASH, f"{type(error).__name__}: {error}", "a new allocator") from None
-    m = _Model(num_blocks)
-    _compare(a, m, t, "")
+    ref = _Reference(num_blocks)
+    _compare(a, ref, t, "")
     for op, r in case.ops:
         try:
-            done = _step(a, m, op, r, t, evicted)
+            done = _step(a, ref, op, r, t, evicted)
         except (Broken, NotImplementedError):
             raise
         except Exception as error:
@@ -96,94 +109,134 @@ def _run(cls: type, case: Case) -> None:
                 "no error: this call is valid",
             ) from None
         if done:
-            _compare(a, m, t, op)
+            _compare(a, ref, t, op)
 
 
-def _step(a, m: _Model, op: str, r: int, t: Transcript, evicted: list[int]) -> bool:
-    """Apply one operation to the allocator and the model; False if it did not apply."""
-    if op == "allocate":
-        t.pending = "a.allocate()"
-        before = len(evicted)
-        available = len(m.free) + len(m.cached)
-        try:
-            block = a.allocate()
-        except NotImplementedError:
-            raise
-        except Exception as error:
-            if available and not isinstance(error, OutOfBlocks):
-                raise  # a crash on a valid call: _run reports it
-            t.add("a.allocate()", note=f"raised {type(error).__name__}")
-            if not available and not isinstance(error, OutOfBlocks):
-                raise t.broken(
-                    OUT_OF_BLOCKS,
-                    f"{type(error).__name__}: {error}",
-                    "OutOfBlocks (from kvlab.cache import OutOfBlocks): every block is in use",
-                ) from None
-            if available:
-                raise t.broken(
-                    OUT_OF_BLOCKS,
-                    f"OutOfBlocks, though {len(m.free)} block(s) are free and "
-                    f"{len(m.cached)} cached",
-                    "a free block, else the least recently used cached one",
-                    "a block that was never put back on the free list is lost for good",
-                ) from None
-            return True
-        t.add("a.allocate()", block)
-        if not available:
+def _allocate(a, ref: _Reference, t: Transcript, evicted: list[int]) -> None:
+    """allocate() on both: the learner's block must be one kvlab's allocator could give."""
+    t.pending = "a.allocate()"
+    before, ref_before = len(evicted), len(ref.evicted)
+    free, cached = ref.free, ref.cached
+    try:
+        block = a.allocate()
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        if (free or cached) and not isinstance(error, OutOfBlocks):
+            raise  # a crash on a valid call: _run reports it
+        t.add("a.allocate()", note=f"raised {type(error).__name__}")
+        if not free and not cached and not isinstance(error, OutOfBlocks):
             raise t.broken(
                 OUT_OF_BLOCKS,
-                f"allocate() returned block {block} while every block is in use",
-                "OutOfBlocks (from kvlab.cache import OutOfBlocks)",
-            )
-        if not isinstance(block, int) or not 0 <= block < m.num_blocks:
-            raise t.broken(BLOCK_IDS, f"allocate() returned {block!r}", f"0..{m.num_blocks - 1}")
-        if m.refs[block] > 0:
+                f"{type(error).__name__}: {error}",
+                "OutOfBlocks (from kvlab.cache import OutOfBlocks): every block is in use",
+            ) from None
+        if free or cached:
             raise t.broken(
-                DISTINCT,
-                f"allocate() returned block {block}, which still has {m.refs[block]} reference(s)",
-                f"one of the free blocks {sorted(m.free)}"
-                if m.free
-                else f"the least recently used cached block {next(iter(m.cached))}",
-                "two sequences would now write their K/V into the same block",
-            )
-        new_evictions = evicted[before:]
-        if m.free:
-            if block in m.cached:
-                raise t.broken(
-                    FREE_FIRST,
-                    f"allocate() evicted cached block {block} while blocks {sorted(m.free)} "
-                    "were free",
-                    "a free block: a cached block holds K/V a later request may reuse",
-                )
-            if new_evictions:
-                raise t.broken(
-                    ON_EVICT,
-                    f"on_evict was called with {new_evictions} for a free block",
-                    "no on_evict call: nothing was evicted",
-                )
-            m.free.discard(block)
-        else:
-            lru = next(iter(m.cached))
-            if block != lru:
-                raise t.broken(
-                    LRU,
-                    f"allocate() evicted block {block}",
-                    f"block {lru}: cached blocks, least recently used first, are {list(m.cached)}",
-                    "an OrderedDict keeps insertion order: popitem(last=False) takes the oldest",
-                )
-            if new_evictions != [block]:
-                raise t.broken(
-                    ON_EVICT,
-                    f"on_evict calls during this allocate(): {new_evictions}",
-                    f"exactly one call, on_evict({block}), so the prefix index forgets the "
-                    "block's old contents",
-                )
-            del m.cached[block]
-        m.refs[block] = 1
+                OUT_OF_BLOCKS,
+                f"OutOfBlocks, though {len(free)} block(s) are free and {len(cached)} cached",
+                "a free block, else the least recently used cached one",
+                "a block that was never put back on the free list is lost for good",
+            ) from None
+        return  # OutOfBlocks, as kvlab's allocator raises when every block is in use
+    t.add("a.allocate()", block)
+    if not free and not cached:
+        raise t.broken(
+            OUT_OF_BLOCKS,
+            f"allocate() returned block {block} while every block is in use",
+            "OutOfBlocks (from kvlab.cache import OutOfBlocks)",
+        )
+    if not isinstance(block, int) or not 0 <= block < ref.num_blocks:
+        raise t.broken(BLOCK_IDS, f"allocate() returned {block!r}", f"0..{ref.num_blocks - 1}")
+    if ref.allocator.ref_counts[block] > 0:
+        raise t.broken(
+            DISTINCT,
+            f"allocate() returned block {block}, which still has "
+            f"{ref.allocator.ref_counts[block]} reference(s)",
+            f"one of the free blocks {free}"
+            if free
+            else f"the least recently used cached block {cached[0]}",
+            "two sequences would now write their K/V into the same block",
+        )
+    if free and block in cached:
+        raise t.broken(
+            FREE_FIRST,
+            f"allocate() evicted cached block {block} while blocks {free} were free",
+            "a free block: a cached block holds K/V a later request may reuse",
+        )
+    if block in ref.allocator.free_blocks:  # any free block is right: kvlab's takes it too
+        ref.allocator.free_blocks.remove(block)
+        ref.allocator.free_blocks.appendleft(block)
+    want = ref.allocator.allocate()
+    if want != block:
+        raise t.broken(
+            LRU,
+            f"allocate() evicted block {block}",
+            f"block {want}: cached blocks, least recently used first, are {cached}",
+            "an OrderedDict keeps insertion order: popitem(last=False) takes the oldest",
+        )
+    got_evictions, want_evictions = evicted[before:], ref.evicted[ref_before:]
+    if got_evictions != want_evictions:
+        raise t.broken(
+            ON_EVICT,
+            f"on_evict calls during this allocate(): {got_evictions}",
+            f"exactly one call, on_evict({block}), so the prefix index forgets the block's "
+            "old contents"
+            if want_evictions
+            else "no on_evict call: a free block was handed out, nothing was evicted",
+        )
+
+
+def _must_raise(a, ref: _Reference, op: str, r: int, t: Transcript) -> bool:
+    """A double free, or incref() of a free block: kvlab's allocator raises ValueError."""
+    if op == "double_free":
+        pool = [b for b in range(ref.num_blocks) if ref.allocator.ref_counts[b] == 0]
+    else:
+        pool = ref.free
+    block = _pick(pool, r)
+    if block is None:
+        return False
+    call = f"a.decref({block})" if op == "double_free" else f"a.incref({block})"
+    try:  # kvlab's allocator checks before it changes anything
+        ref.allocator.decref(block) if op == "double_free" else ref.allocator.incref(block)
+    except ValueError as error:
+        kvlab_says = str(error)
+    else:
+        raise AssertionError(f"kvlab's BlockAllocator accepted {call}")
+    try:
+        result = a.decref(block) if op == "double_free" else a.incref(block)
+    except ValueError:
+        t.add(call, note="raised ValueError, as it should")
+        return True
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        result = error
+    if isinstance(result, Exception):
+        t.add(call, note=f"raised {type(result).__name__}")
+        got = f"{call} raised {type(result).__name__}"
+    else:
+        t.add(call, result)
+        got = f"{call} returned {result!r}"
+    expected = f"ValueError, as kvlab's BlockAllocator raises: {kvlab_says}"
+    if op == "double_free":
+        raise t.broken(
+            DOUBLE_FREE,
+            got,
+            expected,
+            "a double free left unnoticed lets two sequences share a block later",
+        )
+    raise t.broken(INCREF_FREE, got, expected, "only used or cached blocks can gain a reference")
+
+
+def _step(a, ref: _Reference, op: str, r: int, t: Transcript, evicted: list[int]) -> bool:
+    """Apply one operation to the learner's allocator and kvlab's; False if it did not apply."""
+    if op == "allocate":
+        _allocate(a, ref, t, evicted)
         return True
 
     if op in ("free", "cache"):
-        block = _pick(m.used(), r)
+        block = _pick(ref.used(), r)
         if block is None:
             return False
         keep = op == "cache"
@@ -191,8 +244,8 @@ def _step(a, m: _Model, op: str, r: int, t: Transcript, evicted: list[int]) -> b
         t.pending = code
         result = a.decref(block, keep_cached=True) if keep else a.decref(block)
         t.add(code, result)
-        m.refs[block] -= 1
-        left = m.refs[block]
+        want = ref.allocator.decref(block, keep_cached=keep)
+        left = ref.allocator.ref_counts[block]
         if left and result is not False:
             raise t.broken(
                 LAST_REF,
@@ -200,101 +253,57 @@ def _step(a, m: _Model, op: str, r: int, t: Transcript, evicted: list[int]) -> b
                 f"False: block {block} still has {left} reference(s), so it stays in use",
                 "decrement the count, and free the block only when it reaches 0",
             )
-        if not left and result is not (not keep):
+        if result is not want:
             raise t.broken(
                 DECREF_RESULT,
                 f"decref({block}{', keep_cached=True' if keep else ''}) returned {result!r}",
-                f"{not keep}: the last reference is gone and the block is now "
+                f"{want}: the last reference is gone and the block is now "
                 f"{'cached (not free)' if keep else 'free'}",
             )
-        if not left:
-            if keep:
-                m.cached[block] = None
-            else:
-                m.free.add(block)
         return True
 
-    if op == "share":
-        block = _pick(m.used(), r)
+    if op in ("share", "revive"):
+        block = _pick(ref.used() if op == "share" else ref.cached, r)
         if block is None:
             return False
         t.pending = f"a.incref({block})"
         a.incref(block)
-        t.add(f"a.incref({block})", note="a second block table shares the block")
-        m.refs[block] += 1
-        return True
-
-    if op == "revive":
-        block = _pick(m.cached, r)
-        if block is None:
-            return False
-        t.pending = f"a.incref({block})"
-        a.incref(block)
-        t.add(f"a.incref({block})", note="a new request reuses the cached block")
-        del m.cached[block]
-        m.refs[block] = 1
+        note = (
+            "a second block table shares the block"
+            if op == "share"
+            else ("a new request reuses the cached block")
+        )
+        t.add(f"a.incref({block})", note=note)
+        ref.allocator.incref(block)
         return True
 
     if op == "uncache":
-        block = _pick(m.cached, r)
+        block = _pick(ref.cached, r)
         if block is None:
             return False
         t.pending = f"a.uncache({block})"
         a.uncache(block)
         t.add(f"a.uncache({block})", note="its prefix-index entry is gone")
-        del m.cached[block]
-        m.free.add(block)
+        ref.allocator.uncache(block)
         return True
 
     if op in ("double_free", "incref_free"):
-        pool = [b for b in range(m.num_blocks) if m.refs[b] == 0]
-        if op == "incref_free":
-            pool = sorted(m.free)
-        block = _pick(pool, r)
-        if block is None:
-            return False
-        call = f"a.decref({block})" if op == "double_free" else f"a.incref({block})"
-        try:
-            result = a.decref(block) if op == "double_free" else a.incref(block)
-        except ValueError:
-            t.add(call, note="raised ValueError, as it should")
-            return True
-        except Exception as error:
-            result = error
-        if isinstance(result, Exception):
-            t.add(call, note=f"raised {type(result).__name__}")
-        else:
-            t.add(call, result)
-        got = (
-            f"{call} raised {type(result).__name__}"
-            if isinstance(result, Exception)
-            else f"{call} returned {result!r}"
-        )
-        state = "cached" if block in m.cached else "free"
-        if op == "double_free":
-            raise t.broken(
-                DOUBLE_FREE,
-                got,
-                f"ValueError: block {block} is {state} and has no reference to drop",
-                "a double free left unnoticed lets two sequences share a block later",
-            )
-        raise t.broken(
-            INCREF_FREE,
-            got,
-            f"ValueError: block {block} is free; only used or cached blocks can gain a reference",
-        )
+        return _must_raise(a, ref, op, r, t)
     raise ValueError(f"unknown operation {op!r}")
 
 
-def _compare(a, m: _Model, t: Transcript, last_op: str) -> None:
-    refs = list(a.ref_counts)
-    if refs != m.refs:
-        b = next(i for i, (x, y) in enumerate(zip(refs, m.refs)) if x != y)
+def _compare(a, ref: _Reference, t: Transcript, last_op: str) -> None:
+    """The learner's allocator holds what kvlab's holds, as seen through the interface."""
+    refs, want_refs = list(a.ref_counts), ref.refs
+    if refs != want_refs:
+        b = next(i for i, (x, y) in enumerate(zip(refs, want_refs)) if x != y)
         raise t.broken(
-            REF_COUNTS, f"a.ref_counts == {refs}", f"{m.refs} (block {b} should have {m.refs[b]})"
+            REF_COUNTS,
+            f"a.ref_counts == {refs}",
+            f"{want_refs} (block {b} should have {want_refs[b]})",
         )
-    cached = list(a.cached)
-    if set(cached) != set(m.cached):
+    cached, want_cached = list(a.cached), ref.cached
+    if set(cached) != set(want_cached):
         hints = {
             "revive": "incref() of a cached block must take it out of `cached`",
             "uncache": "uncache() moves the block from `cached` to the free list",
@@ -302,17 +311,17 @@ def _compare(a, m: _Model, t: Transcript, last_op: str) -> None:
             "allocate": "an evicted block must leave `cached`",
         }
         raise t.broken(
-            ONE_STATE, f"list(a.cached) == {cached}", f"{list(m.cached)}", hints.get(last_op, "")
+            ONE_STATE, f"list(a.cached) == {cached}", f"{want_cached}", hints.get(last_op, "")
         )
-    counts = (a.num_free, a.num_used, a.num_cached)
-    want = (len(m.free), len(m.used()), len(m.cached))
-    if counts != want or a.num_available != want[0] + want[2]:
+    k = ref.allocator
+    counts = (a.num_free, a.num_used, a.num_cached, a.num_available)
+    want = (k.num_free, k.num_used, k.num_cached, k.num_available)
+    if counts != want:
         raise t.broken(
             CONSERVED,
-            f"num_free={counts[0]}, num_used={counts[1]}, num_cached={counts[2]}, "
-            f"num_available={a.num_available}",
-            f"num_free={want[0]}, num_used={want[1]}, num_cached={want[2]}, "
-            f"num_available={want[0] + want[2]} (of {m.num_blocks} blocks)",
+            "num_free={}, num_used={}, num_cached={}, num_available={}".format(*counts),
+            "num_free={}, num_used={}, num_cached={}, num_available={}".format(*want)
+            + f" (of {ref.num_blocks} blocks)",
             {
                 "uncache": "uncache() must put the block on the free list",
                 "free": "a block whose last reference is dropped goes back on the free list, once",
@@ -320,11 +329,11 @@ def _compare(a, m: _Model, t: Transcript, last_op: str) -> None:
                 "allocate": "allocate() takes its block off the free list (or out of `cached`)",
             }.get(last_op, ""),
         )
-    if cached != list(m.cached):
+    if cached != want_cached:
         raise t.broken(
             LRU_ORDER,
             f"list(a.cached) == {cached}",
-            f"{list(m.cached)}",
+            f"{want_cached}",
             "a block cached by decref(..., keep_cached=True) goes to the most recently "
             "used end: self.cached[block] = None",
         )
@@ -357,7 +366,7 @@ def check_block_allocator(
                 lambda case: sharing.run_sharing_case(
                     case,
                     _index(kind),
-                    lambda cache: cls(cache.num_blocks, on_evict=cache._forget),
+                    lambda cache: cls(cache.num_blocks, on_evict=cache.allocator.on_evict),
                 ),
                 sharing.smaller_params,
             )

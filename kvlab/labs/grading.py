@@ -50,7 +50,8 @@ class Failure:
 
 
 class LabFailure(AssertionError):
-    """Raised by `LabResult.raise_for_failure` (or a grader called with raise_on_failure)."""
+    """Raised by `LabResult.raise_for_failure` / `raise_for_check` (or a grader called with
+    raise_on_failure); its message is the report of what failed."""
 
     def __init__(self, result: LabResult):
         super().__init__(result.report())
@@ -86,15 +87,34 @@ class LabResult:
                 f"{self.lab}: not implemented yet. {first.got}.\n"
                 "Fill in the TODOs in the exercise cell, run it, then run the grader again."
             )
-        head = f"{self.lab}: {self.num_passed} of {len(self.checks)} checks passed.\n\n"
+        if len(self.checks) == 1:  # one check's part of a result (raise_for_check)
+            head = f'{self.lab}: check "{self.checks[0]}" failed.\n\n'
+        else:
+            head = f"{self.lab}: {self.num_passed} of {len(self.checks)} checks passed.\n\n"
         body = self.failures[0].report()
         others = [f'"{f.check}" ({f.invariant})' for f in self.failures[1:]]
         tail = ("\n\nAlso failing: " + "; ".join(others)) if others else ""
         return head + body + tail
 
     def raise_for_failure(self) -> None:
+        """Raise `LabFailure` (the report as its message) if any check failed."""
         if not self.passed:
             raise LabFailure(self)
+
+    def raise_for_check(self, check: str) -> None:
+        """Raise `LabFailure` if the check named `check` failed; return None if it passed.
+
+        One autograded nbgrader test cell per check is one line,
+        `result.raise_for_check("allocate and free")`: the cell scores its points when the
+        check passed, and its output (the feedback) is that check's report: the broken
+        invariant, the smallest failing input, what was expected and a hint. A name the
+        grader does not have raises ValueError, so a renamed check cannot pass unnoticed.
+        """
+        if check not in self.checks:
+            raise ValueError(f"{self.lab} has no check named {check!r}; its checks: {self.checks}")
+        failed = [f for f in self.failures if f.check == check]
+        if failed:
+            raise LabFailure(LabResult(self.lab, [check], failed))
 
     def __repr__(self) -> str:
         return (

@@ -5,7 +5,8 @@
 error bound (|x - x_hat| <= s / 2 per element, s = amax / 127 of that token's head, the
 bound kvlab's Int8 codec passes in tests/test_codecs.py) on tensors shaped like real K/V:
 heads of very different sizes, outlier channels, zeros, magnitudes from 1e-20 to 1e30.
-A failure is cut down to the smallest slice of the tensor that still fails.
+A failure is cut down to the smallest slice of the tensor that still fails. Last, the
+learner's codec is compared with kvlab's `Int8` codec (`kvlab_quantize`/`kvlab_dequantize`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvlab.cache import KVPool, KVSpec
+from kvlab.cache import KVSpec
+from kvlab.cache.codecs import CODECS
 from kvlab.labs.grading import Broken, LabResult, grade
 
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -56,6 +58,23 @@ EXTREMES = [
     _tensor(20 + i, (2, 2, 8), magnitude=m, decimals=None)
     for i, m in enumerate([1e-20, 1e-6, 1e6, 1e30])
 ]
+
+
+def _kvlab_codec(shape) -> object:
+    """kvlab's Int8 codec (kvlab/cache/codecs/int8.py) for one layer of (T, H, D) K/V."""
+    _, heads, dim = shape
+    return CODECS["int8"](KVSpec(1, heads, dim), 0, torch.float32, torch.device("cpu"))
+
+
+def kvlab_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kvlab's Int8 codec's encode: (T, H, D) -> int8 codes (T, H, D), bf16 scales (T, H)."""
+    q, scale = _kvlab_codec(x.shape).encode(x)
+    return q, scale
+
+
+def kvlab_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """kvlab's Int8 codec's decode: codes (T, H, D) and scales (T, H) -> float32 (T, H, D)."""
+    return _kvlab_codec(q.shape).decode([q, scale])
 
 
 def _fmt(x: torch.Tensor) -> str:
@@ -241,11 +260,7 @@ def _check_zeros(quantize: Quantize, dequantize: Dequantize) -> None:
 
 def _check_like_kvlab(quantize: Quantize, dequantize: Dequantize) -> None:
     for x in CASES:
-        t, h, d = x.shape
-        pool = KVPool(KVSpec(1, h, d), t, torch.float32, torch.device("cpu"), "int8")
-        slots = torch.arange(t)
-        pool.write(0, slots, x, x)
-        reference = pool.gather(0, slots[None])[0][0].double()
+        reference = kvlab_dequantize(*kvlab_quantize(x)).double()
         _, _, x_hat = _run(quantize, dequantize, x)
         step = x.double().abs().amax(-1, keepdim=True) / 127 * ROUNDING**2
         gap = (x_hat.double() - reference).abs() - step

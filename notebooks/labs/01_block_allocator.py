@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: -all
+#     cell_metadata_filter: nbgrader,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -34,9 +34,10 @@
 # with random operations, and finally runs it *inside kvlab's real `PagedCache`* with hash
 # and radix prefix sharing.
 #
-# Run the set-up cell, fill in the TODOs, run the "try it" cell, then the grader.
+# Run the set-up cell, fill in the TODOs, run the "try it" cell, then the grader and the
+# check cells after it.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -55,7 +56,7 @@ from kvlab.labs import check_block_allocator
 # * `ref_counts[b]`: how many block tables point at block `b`.
 
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "exercise", "locked": false, "schema_version": 3, "solution": true, "task": false}
 # EXERCISE: fill in every TODO, then run this cell.
 class LabBlockAllocator:
     """Fixed-size KV blocks: a free list, reference counts and an LRU pool of cached blocks.
@@ -144,14 +145,45 @@ allocator.check_integrity()
 # The grader prints one line when every check passes; otherwise the first broken
 # rule, the smallest input that breaks it, and what was expected.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "grader", "locked": true, "schema_version": 3, "solution": false, "task": false}
 result = check_block_allocator(LabBlockAllocator)
+
+# %% [markdown]
+# ## The checks, one cell each
+#
+# Each cell below passes if the grader's check of that name passed; if not, it raises
+# `LabFailure` with that check's report (the broken invariant, the smallest failing input,
+# what was expected). Under nbgrader each of these cells is autograded and worth the points
+# it names, so a partly right answer gets partial marks; the cells are locked.
+
+# %% nbgrader={"grade": true, "grade_id": "check_allocate_and_free", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "allocate and free".
+result.raise_for_check("allocate and free")
+
+# %% nbgrader={"grade": true, "grade_id": "check_shared_blocks_reference_counts", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 3 points: the check "shared blocks: reference counts".
+result.raise_for_check("shared blocks: reference counts")
+
+# %% nbgrader={"grade": true, "grade_id": "check_cached_blocks_reuse_and_lru_eviction", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 3 points: the check "cached blocks: reuse and LRU eviction".
+result.raise_for_check("cached blocks: reuse and LRU eviction")
+
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_hash_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "inside PagedCache with hash prefix caching".
+result.raise_for_check("inside PagedCache with hash prefix caching")
+
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_radix_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "inside PagedCache with radix prefix caching".
+result.raise_for_check("inside PagedCache with radix prefix caching")
 
 # %% [markdown]
 # ## What the grader checks
 #
 # 1. **allocate and free**, 2. **shared blocks**, 3. **cached blocks**: seeded random
-#    sequences of calls, each checked against a model of what every block should be. A
+#    sequences of calls, made on your class and on kvlab's own `BlockAllocator` side by
+#    side; after every call both must hold the same reference counts, cached blocks (in LRU
+#    order) and counters, and each call must return (or raise) what kvlab's does. Where any
+#    free block is a right answer, kvlab's allocator takes the one yours took. A
 #    failure is shrunk to the shortest sequence of calls that still breaks the same rule and
 #    printed as code you can paste into a cell.
 # 4. and 5. **inside PagedCache**: your class replaces the allocator of kvlab's paged cache,

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: -all
+#     cell_metadata_filter: nbgrader,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -22,7 +22,8 @@
 # **preempts** a running request: takes its blocks back, and later recomputes its K/V (or
 # swaps them back in from host memory). Which request should go?
 #
-# kvlab's rule, in `Scheduler._secure_blocks`:
+# kvlab's rule, `choose_victim` in `kvlab/engine/scheduler.py` (the scheduler calls it when a
+# step needs a block and none is left):
 #
 # 1. the **lowest priority** first: in kvlab a larger `priority` is more important (vLLM's
 #    convention is the reverse: a smaller value goes first);
@@ -34,9 +35,9 @@
 # admitted again. Its `arrival_s` (when the request first arrived) never changes.
 #
 # Your task: `choose_victim(running)`. The grader checks crafted cases and then 300 random
-# running sets against the choice of kvlab's real `Scheduler`.
+# running sets against kvlab's own `choose_victim`, the function its `Scheduler` calls.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 from kvlab.engine.sequence import Sequence
 from kvlab.labs import check_victim_choice, kvlab_victim, running_seq
 
@@ -48,11 +49,14 @@ from kvlab.labs import check_victim_choice, kvlab_victim, running_seq
 # victim itself; the scheduler removes it from `running`.
 
 
-# %%
-# SOLUTION (instructor copy): the reference code of kvlab/labs/solutions.py.
+# %% nbgrader={"grade": false, "grade_id": "exercise", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# EXERCISE: fill in every TODO, then run this cell.
 def choose_victim(running: list[Sequence]) -> Sequence:
     """The running sequence to preempt: lowest priority, then the most recently admitted."""
+    # TODO: return one of the sequences in `running` (leave the list as it is)
+    ### BEGIN SOLUTION
     return max(running, key=lambda seq: (-seq.priority, seq.admit_order))
+    ### END SOLUTION
 
 
 # %% [markdown]
@@ -74,8 +78,36 @@ print("kvlab's scheduler preempts request", kvlab_victim(running).request_id)
 # The grader prints one line when every check passes; otherwise the first broken
 # rule, the smallest input that breaks it, and what was expected.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "grader", "locked": true, "schema_version": 3, "solution": false, "task": false}
 result = check_victim_choice(choose_victim)
+
+# %% [markdown]
+# ## The checks, one cell each
+#
+# Each cell below passes if the grader's check of that name passed; if not, it raises
+# `LabFailure` with that check's report (the broken invariant, the smallest failing input,
+# what was expected). Under nbgrader each of these cells is autograded and worth the points
+# it names, so a partly right answer gets partial marks; the cells are locked.
+
+# %% nbgrader={"grade": true, "grade_id": "check_returns_a_running_sequence", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "returns a running sequence".
+result.raise_for_check("returns a running sequence")
+
+# %% nbgrader={"grade": true, "grade_id": "check_priorities", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "priorities".
+result.raise_for_check("priorities")
+
+# %% nbgrader={"grade": true, "grade_id": "check_most_recently_admitted_first", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 3 points: the check "most recently admitted first".
+result.raise_for_check("most recently admitted first")
+
+# %% nbgrader={"grade": true, "grade_id": "check_independent_of_list_order", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "independent of list order".
+result.raise_for_check("independent of list order")
+
+# %% nbgrader={"grade": true, "grade_id": "check_random_running_sets_vs_kvlab_s_scheduler", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "random running sets vs kvlab's Scheduler".
+result.raise_for_check("random running sets vs kvlab's Scheduler")
 
 # %% [markdown]
 # ## What the grader checks
@@ -83,7 +115,7 @@ result = check_victim_choice(choose_victim)
 # That the victim is one of the running sequences and the list is left alone; the priority
 # rule; the most-recently-admitted rule (including a request that arrived first but was
 # re-admitted last); that the choice does not depend on the list's order; and 300 random
-# running sets against kvlab's `Scheduler`, asked to free one block.
+# running sets against kvlab's `choose_victim`, which its `Scheduler` calls.
 #
 # ## What to try next
 #

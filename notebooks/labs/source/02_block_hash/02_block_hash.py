@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: -all
+#     cell_metadata_filter: nbgrader,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -36,7 +36,7 @@
 # `HashPrefixIndex` on random prompts, then serves random traffic through kvlab's
 # `PagedCache` with your keys in its index.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 import hashlib  # noqa: F401 (for your hash)
 
 from kvlab.labs import check_block_hash
@@ -49,10 +49,13 @@ from kvlab.labs import check_block_hash
 # key. `token.to_bytes(8, "little", signed=True)` turns a token id into 8 bytes.
 
 
-# %%
-# SOLUTION (instructor copy): the reference code of kvlab/labs/solutions.py.
+# %% nbgrader={"grade": false, "grade_id": "exercise", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# EXERCISE: fill in every TODO, then run this cell.
 def block_keys(tokens: list[int], block_size: int, salt: str | None) -> list[bytes]:
     """One key per *full* block: key_i = H(key_{i-1}, tokens of block i, salt)."""
+    # TODO: for each full block of `tokens` (a partly filled last block gets no key), hash
+    #       the previous block's key, this block's tokens and the salt into one key.
+    ### BEGIN SOLUTION
     keys, parent = [], b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         digest = hashlib.blake2b(parent, digest_size=16)
@@ -62,6 +65,7 @@ def block_keys(tokens: list[int], block_size: int, salt: str | None) -> list[byt
         parent = digest.digest()
         keys.append(parent)
     return keys
+    ### END SOLUTION
 
 
 # %% [markdown]
@@ -82,8 +86,44 @@ print("a and c (another tenant) share:", [x == y for x, y in zip(a, c)])
 # The grader prints one line when every check passes; otherwise the first broken
 # rule, the smallest input that breaks it, and what was expected.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "grader", "locked": true, "schema_version": 3, "solution": false, "task": false}
 result = check_block_hash(block_keys)
+
+# %% [markdown]
+# ## The checks, one cell each
+#
+# Each cell below passes if the grader's check of that name passed; if not, it raises
+# `LabFailure` with that check's report (the broken invariant, the smallest failing input,
+# what was expected). Under nbgrader each of these cells is autograded and worth the points
+# it names, so a partly right answer gets partial marks; the cells are locked.
+
+# %% nbgrader={"grade": true, "grade_id": "check_one_key_per_full_block", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "one key per full block".
+result.raise_for_check("one key per full block")
+
+# %% nbgrader={"grade": true, "grade_id": "check_same_prefix_same_keys", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "same prefix, same keys".
+result.raise_for_check("same prefix, same keys")
+
+# %% nbgrader={"grade": true, "grade_id": "check_chained_earlier_blocks_change_the_key", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "chained: earlier blocks change the key".
+result.raise_for_check("chained: earlier blocks change the key")
+
+# %% nbgrader={"grade": true, "grade_id": "check_no_collisions_between_different_blocks", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "no collisions between different blocks".
+result.raise_for_check("no collisions between different blocks")
+
+# %% nbgrader={"grade": true, "grade_id": "check_salts_keep_tenants_apart", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "salts keep tenants apart".
+result.raise_for_check("salts keep tenants apart")
+
+# %% nbgrader={"grade": true, "grade_id": "check_random_prompts_equal_keys_exactly_where_kvlab_s_are", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "random prompts: equal keys exactly where kvlab's are".
+result.raise_for_check("random prompts: equal keys exactly where kvlab's are")
+
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_prompts_and_tenants_stay_separate", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "inside PagedCache: prompts and tenants stay separate".
+result.raise_for_check("inside PagedCache: prompts and tenants stay separate")
 
 # %% [markdown]
 # ## What the grader checks

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: -all
+#     cell_metadata_filter: nbgrader,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -34,9 +34,10 @@
 # with random operations, and finally runs it *inside kvlab's real `PagedCache`* with hash
 # and radix prefix sharing.
 #
-# Run the set-up cell, fill in the TODOs, run the "try it" cell, then the grader.
+# Run the set-up cell, fill in the TODOs, run the "try it" cell, then the grader and the
+# check cells after it.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -55,8 +56,8 @@ from kvlab.labs import check_block_allocator
 # * `ref_counts[b]`: how many block tables point at block `b`.
 
 
-# %%
-# SOLUTION (instructor copy): the reference code of kvlab/labs/solutions.py.
+# %% nbgrader={"grade": false, "grade_id": "exercise", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# EXERCISE: fill in every TODO, then run this cell.
 class LabBlockAllocator:
     """Fixed-size KV blocks: a free list, reference counts and an LRU pool of cached blocks.
 
@@ -89,6 +90,10 @@ class LabBlockAllocator:
 
     def allocate(self) -> int:
         """A free block, else the least recently used cached one; its ref count becomes 1."""
+        # TODO: take the block at the front of self.free_blocks. If none is free, evict the
+        #       least recently used cached block (and call self.on_evict(block) if it is
+        #       set). If there is neither, raise OutOfBlocks. Its ref count becomes 1.
+        ### BEGIN SOLUTION
         if self.free_blocks:
             block = self.free_blocks.popleft()
         elif self.cached:
@@ -99,20 +104,29 @@ class LabBlockAllocator:
             raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
         self.ref_counts[block] = 1
         return block
+        ### END SOLUTION
 
     def incref(self, block: int) -> None:
         """One more block table points at `block` (a cached block comes back into use)."""
+        # TODO: a cached block leaves self.cached; a free block raises ValueError (its
+        #       contents are garbage); then add one reference.
+        ### BEGIN SOLUTION
         if block in self.cached:
             del self.cached[block]
         elif self.ref_counts[block] <= 0:
             raise ValueError(f"block {block} is free: it cannot gain a reference")
         self.ref_counts[block] += 1
+        ### END SOLUTION
 
     def decref(self, block: int, keep_cached: bool = False) -> bool:
         """Drop one reference; at zero the block is cached (keep_cached) or freed.
 
         Returns True if the block became free.
         """
+        # TODO: a block without references raises ValueError (a double free). At zero
+        #       references: keep_cached puts it at the most recently used end of
+        #       self.cached (return False); otherwise it goes back on the free list (True).
+        ### BEGIN SOLUTION
         if self.ref_counts[block] <= 0:
             raise ValueError(f"block {block} has no reference to drop (double free?)")
         self.ref_counts[block] -= 1
@@ -123,11 +137,15 @@ class LabBlockAllocator:
             return False
         self.free_blocks.append(block)
         return True
+        ### END SOLUTION
 
     def uncache(self, block: int) -> None:
         """A cached block lost its prefix-index entry: it becomes free."""
+        # TODO
+        ### BEGIN SOLUTION
         del self.cached[block]
         self.free_blocks.append(block)
+        ### END SOLUTION
 
     def check_integrity(self) -> None:
         free, cached = set(self.free_blocks), set(self.cached)
@@ -158,14 +176,45 @@ allocator.check_integrity()
 # The grader prints one line when every check passes; otherwise the first broken
 # rule, the smallest input that breaks it, and what was expected.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "grader", "locked": true, "schema_version": 3, "solution": false, "task": false}
 result = check_block_allocator(LabBlockAllocator)
+
+# %% [markdown]
+# ## The checks, one cell each
+#
+# Each cell below passes if the grader's check of that name passed; if not, it raises
+# `LabFailure` with that check's report (the broken invariant, the smallest failing input,
+# what was expected). Under nbgrader each of these cells is autograded and worth the points
+# it names, so a partly right answer gets partial marks; the cells are locked.
+
+# %% nbgrader={"grade": true, "grade_id": "check_allocate_and_free", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "allocate and free".
+result.raise_for_check("allocate and free")
+
+# %% nbgrader={"grade": true, "grade_id": "check_shared_blocks_reference_counts", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 3 points: the check "shared blocks: reference counts".
+result.raise_for_check("shared blocks: reference counts")
+
+# %% nbgrader={"grade": true, "grade_id": "check_cached_blocks_reuse_and_lru_eviction", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 3 points: the check "cached blocks: reuse and LRU eviction".
+result.raise_for_check("cached blocks: reuse and LRU eviction")
+
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_hash_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "inside PagedCache with hash prefix caching".
+result.raise_for_check("inside PagedCache with hash prefix caching")
+
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_radix_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "inside PagedCache with radix prefix caching".
+result.raise_for_check("inside PagedCache with radix prefix caching")
 
 # %% [markdown]
 # ## What the grader checks
 #
 # 1. **allocate and free**, 2. **shared blocks**, 3. **cached blocks**: seeded random
-#    sequences of calls, each checked against a model of what every block should be. A
+#    sequences of calls, made on your class and on kvlab's own `BlockAllocator` side by
+#    side; after every call both must hold the same reference counts, cached blocks (in LRU
+#    order) and counters, and each call must return (or raise) what kvlab's does. Where any
+#    free block is a right answer, kvlab's allocator takes the one yours took. A
 #    failure is shrunk to the shortest sequence of calls that still breaks the same rule and
 #    printed as code you can paste into a cell.
 # 4. and 5. **inside PagedCache**: your class replaces the allocator of kvlab's paged cache,

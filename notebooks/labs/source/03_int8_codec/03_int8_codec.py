@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: -all
+#     cell_metadata_filter: nbgrader,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -35,7 +35,7 @@
 # kvlab's own `Int8` codec passes (`tests/test_codecs.py`), on tensors shaped like real
 # K/V, and compares your codec with kvlab's.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 import torch
 
 from kvlab.labs import check_int8_codec
@@ -49,20 +49,28 @@ from kvlab.labs import check_int8_codec
 # `torch.where(s > 0, s, 1.0)`.
 
 
-# %%
-# SOLUTION (instructor copy): the reference code of kvlab/labs/solutions.py.
+# %% nbgrader={"grade": false, "grade_id": "exercise", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# EXERCISE: fill in every TODO, then run this cell.
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H, D) float -> int8 codes (T, H, D) and one scale per token per head (T, H)."""
+    # TODO: s = the largest |x| of each token's head, divided by 127. Codes: x / s rounded
+    #       to the nearest integer, kept within [-127, 127], as int8. An all-zero head has
+    #       s = 0: give it codes 0 (no division by zero).
+    ### BEGIN SOLUTION
     x = x.float()
     scale = x.abs().amax(dim=-1) / 127  # (T, H): the head's largest |x| maps to 127
     safe = torch.where(scale > 0, scale, 1.0)[..., None]  # an all-zero head: codes 0
     q = (x / safe).round().clamp(-127, 127)
     return q.to(torch.int8), scale
+    ### END SOLUTION
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Codes (T, H, D) and scales (T, H) -> float32 (T, H, D)."""
+    # TODO
+    ### BEGIN SOLUTION
     return q.float() * scale.float()[..., None]
+    ### END SOLUTION
 
 
 # %% [markdown]
@@ -86,8 +94,40 @@ print("worst error per head, shared scale:", [round(e, 4) for e in err_shared.am
 # The grader prints one line when every check passes; otherwise the first broken
 # rule, the smallest input that breaks it, and what was expected.
 
-# %%
+# %% nbgrader={"grade": false, "grade_id": "grader", "locked": true, "schema_version": 3, "solution": false, "task": false}
 result = check_int8_codec(quantize_int8, dequantize_int8)
+
+# %% [markdown]
+# ## The checks, one cell each
+#
+# Each cell below passes if the grader's check of that name passed; if not, it raises
+# `LabFailure` with that check's report (the broken invariant, the smallest failing input,
+# what was expected). Under nbgrader each of these cells is autograded and worth the points
+# it names, so a partly right answer gets partial marks; the cells are locked.
+
+# %% nbgrader={"grade": true, "grade_id": "check_shapes_and_dtypes", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "shapes and dtypes".
+result.raise_for_check("shapes and dtypes")
+
+# %% nbgrader={"grade": true, "grade_id": "check_error_bound_on_k_v_like_tensors", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 3 points: the check "error bound on K/V-like tensors".
+result.raise_for_check("error bound on K/V-like tensors")
+
+# %% nbgrader={"grade": true, "grade_id": "check_error_bound_from_1e_20_to_1e30", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "error bound from 1e-20 to 1e30".
+result.raise_for_check("error bound from 1e-20 to 1e30")
+
+# %% nbgrader={"grade": true, "grade_id": "check_symmetric_code_range", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "symmetric code range".
+result.raise_for_check("symmetric code range")
+
+# %% nbgrader={"grade": true, "grade_id": "check_zeros_and_all_zero_heads", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 1 point: the check "zeros and all-zero heads".
+result.raise_for_check("zeros and all-zero heads")
+
+# %% nbgrader={"grade": true, "grade_id": "check_agrees_with_kvlab_s_int8_codec", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Autograded, 2 points: the check "agrees with kvlab's Int8 codec".
+result.raise_for_check("agrees with kvlab's Int8 codec")
 
 # %% [markdown]
 # ## What the grader checks

@@ -1,0 +1,278 @@
+"""Known-wrong lab answers: each breaks one rule a grader checks (tests/test_labs.py asserts
+which) and is handed in as a submission in tests/test_nbgrader.py.
+
+Wrong allocators override one method of kvlab's own `BlockAllocator` (the reference), so
+each has exactly one bug. `submission(mistake)` is the exercise cell a learner with that
+bug hands in: the mistake's source, bound to the names the lab's grader cell uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache import BlockAllocator, OutOfBlocks
+from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
+from kvlab.labs import allocator, hashing, int8, victim
+
+
+# --- lab 1: block allocator -----------------------------------------------------------------
+class FreesOnFirstDecref(BlockAllocator):
+    """Forgets the reference count: the first decref frees a shared block."""
+
+    def decref(self, block, keep_cached=False):
+        if self.ref_counts[block] <= 0:
+            raise ValueError("double free")
+        self.ref_counts[block] = 0
+        if keep_cached:
+            self.cached[block] = None
+            return False
+        self.free_blocks.append(block)
+        return True
+
+
+class AllowsDoubleFree(BlockAllocator):
+    """Clamps the count at zero instead of raising: a double free goes unnoticed."""
+
+    def decref(self, block, keep_cached=False):
+        self.ref_counts[block] = max(0, self.ref_counts[block] - 1)
+        if self.ref_counts[block]:
+            return False
+        if keep_cached:
+            self.cached[block] = None
+            return False
+        self.free_blocks.append(block)
+        return True
+
+
+class LosesUncachedBlocks(BlockAllocator):
+    """uncache() drops the block without putting it on the free list: it is lost."""
+
+    def uncache(self, block):
+        del self.cached[block]
+
+
+class EvictsMostRecentlyUsed(BlockAllocator):
+    """popitem() takes the most recently used cached block."""
+
+    def allocate(self):
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem()
+            if self.on_evict:
+                self.on_evict(block)
+        else:
+            raise OutOfBlocks("no block")
+        self.ref_counts[block] = 1
+        return block
+
+
+class RevivedBlockStaysCached(BlockAllocator):
+    """incref() of a cached block forgets to take it out of the cache."""
+
+    def incref(self, block):
+        if block not in self.cached and self.ref_counts[block] <= 0:
+            raise ValueError("free block")
+        self.ref_counts[block] += 1
+
+
+class EvictsBeforeUsingFreeBlocks(BlockAllocator):
+    """Takes a cached block even though free ones are left (loses cache hits)."""
+
+    def allocate(self):
+        if self.cached:
+            block, _ = self.cached.popitem(last=False)
+            if self.on_evict:
+                self.on_evict(block)
+        elif self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            raise OutOfBlocks("no block")
+        self.ref_counts[block] = 1
+        return block
+
+
+# --- lab 2: chained block hash --------------------------------------------------------------
+def ignores_parent(tokens, block_size, salt):
+    starts = range(0, len(tokens) - block_size + 1, block_size)
+    return [hash((tuple(tokens[s : s + block_size]), salt)) for s in starts]
+
+
+def ignores_salt(tokens, block_size, salt):
+    keys, parent = [], None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        keys.append(parent)
+    return keys
+
+
+def joins_digits(tokens, block_size, salt):
+    keys, parent = [], ""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        text = parent + (salt or "") + "".join(str(t) for t in tokens[start : start + block_size])
+        parent = hashlib.sha256(text.encode()).hexdigest()
+        keys.append(parent)
+    return keys
+
+
+def keys_the_partial_block(tokens, block_size, salt):
+    keys, parent = [], None
+    for start in range(0, len(tokens), block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size]), salt))
+        keys.append(parent)
+    return keys
+
+
+def hashes_the_sum(tokens, block_size, salt):
+    keys, parent = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, sum(tokens[start : start + block_size]), salt))
+        keys.append(parent)
+    return keys
+
+
+# --- lab 3: int8 codec (each wrong quantize is paired with a right dequantize) --------------
+def dequantize(q, scale):
+    return q.float() * scale.float()[..., None]
+
+
+def per_tensor_scale(x):
+    s = x.abs().max() / 127
+    return (x / s).round().clamp(-127, 127).to(torch.int8), s.expand(x.shape[:2])
+
+
+def per_tensor_scalar(x):
+    s = x.abs().max() / 127
+    return (x / s).round().clamp(-127, 127).to(torch.int8), s
+
+
+def truncates(x):
+    s = x.abs().amax(-1) / 127
+    safe = torch.where(s > 0, s, 1.0)[..., None]
+    return (x / safe).clamp(-127, 127).to(torch.int8), s
+
+
+def overflows(x):  # amax / 128 and no clamp: the largest value wraps around
+    s = x.abs().amax(-1) / 128
+    safe = torch.where(s > 0, s, 1.0)[..., None]
+    return (x / safe).round().to(torch.int8), s
+
+
+def float16_scale(x):
+    s = (x.abs().amax(-1) / 127).half()
+    safe = torch.where(s > 0, s, 1.0)[..., None].float()
+    return (x / safe).round().clamp(-127, 127).to(torch.int8), s
+
+
+# --- lab 4: preemption victim ---------------------------------------------------------------
+def oldest_admitted(running):
+    return max(running, key=lambda s: (-s.priority, -s.admit_order))
+
+
+def ignores_priority(running):
+    return max(running, key=lambda s: s.admit_order)
+
+
+def latest_arrival(running):
+    return max(running, key=lambda s: (-s.priority, s.arrival_s))
+
+
+def highest_priority(running):
+    return max(running, key=lambda s: (s.priority, s.admit_order))
+
+
+def sorts_in_place(running):
+    running.sort(key=lambda s: (-s.priority, s.admit_order))
+    return running[-1]
+
+
+def returns_request_id(running):
+    return kvlab_choose_victim(running).request_id
+
+
+# --- the table ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mistake:
+    lab: str  # the lab's notebook name
+    code: object  # the wrong class or function
+    invariant: str  # the rule the grader's first failure must name
+    phrases: list[str] = field(default_factory=list)  # and what its report must show
+
+    @property
+    def name(self) -> str:
+        return self.code.__name__
+
+
+L1, L2, L3, L4 = (
+    "01_block_allocator",
+    "02_block_hash",
+    "03_int8_codec",
+    "04_preemption_victim",
+)
+MISTAKES = [
+    Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
+    Mistake(L1, AllowsDoubleFree, allocator.DOUBLE_FREE, ["a.decref(0)", "ValueError"]),
+    Mistake(L1, LosesUncachedBlocks, allocator.CONSERVED, ["a.uncache(0)", "num_free=1"]),
+    Mistake(L1, EvictsMostRecentlyUsed, allocator.LRU, ["least recently used first, are [1, 0]"]),
+    Mistake(L1, RevivedBlockStaysCached, allocator.ONE_STATE, ["take it out of `cached`"]),
+    Mistake(L1, EvictsBeforeUsingFreeBlocks, allocator.FREE_FIRST, ["while blocks [1] were free"]),
+    Mistake(L2, ignores_parent, hashing.CHAINED, ["block_keys([1, 2, 5, 6], 2, None)[1] =="]),
+    Mistake(L2, ignores_salt, hashing.SALTED, ["'tenant-a'"]),
+    Mistake(L2, joins_digits, hashing.DISTINCT, ['"1"+"23" == "12"+"3"']),
+    Mistake(
+        L2, keys_the_partial_block, hashing.FULL_BLOCKS, ["len(block_keys([1], 2, None)) == 1"]
+    ),
+    Mistake(
+        L2,
+        hashes_the_sum,
+        hashing.DISTINCT,
+        ["block_keys([1, 2], 2, None)[0] == block_keys([2, 1]"],
+    ),
+    Mistake(L3, per_tensor_scale, int8.BOUND, ["every token and head got the same scale"]),
+    Mistake(
+        L3, per_tensor_scalar, int8.SHAPES, ["scale.shape == ()", "one scale per token per KV"]
+    ),
+    Mistake(L3, truncates, int8.BOUND, ["round to nearest", "x = torch.tensor([[["]),
+    Mistake(L3, overflows, int8.BOUND, ["overflows int8"]),
+    Mistake(L3, float16_scale, int8.BOUND, ["underflowed to 0"]),
+    Mistake(L4, oldest_admitted, victim.NEWEST, ["chose request 0", "Expected: request 1"]),
+    Mistake(L4, ignores_priority, victim.PRIORITY, ["chose request 1 (priority 1"]),
+    Mistake(L4, latest_arrival, victim.NEWEST, ["arrival_s never changes"]),
+    Mistake(L4, highest_priority, victim.PRIORITY, ["larger `priority` is more important"]),
+    Mistake(L4, sorts_in_place, victim.UNCHANGED, ["don't pop or remove it"]),
+    Mistake(L4, returns_request_id, victim.RETURNS_ONE, ["not its index or request_id"]),
+]
+
+
+def of(lab: str) -> list[Mistake]:
+    return [m for m in MISTAKES if m.lab == lab]
+
+
+# The names each lab's grader cell reads from the exercise cell, bound to a mistake.
+BINDINGS = {
+    L1: "LabBlockAllocator = {name}",
+    L2: "block_keys = {name}",
+    L3: "quantize_int8, dequantize_int8 = {name}, dequantize",
+    L4: "choose_victim = {name}",
+}
+IMPORTS = """\
+import hashlib
+
+import torch
+
+from kvlab.cache import BlockAllocator, OutOfBlocks
+from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
+"""
+
+
+def submission(mistake: Mistake) -> str:
+    """The exercise cell of a learner whose answer is `mistake`: self-contained code."""
+    parts = [IMPORTS, inspect.getsource(mistake.code)]
+    if mistake.lab == L3:
+        parts.append(inspect.getsource(dequantize))
+    parts.append(BINDINGS[mistake.lab].format(name=mistake.name) + "\n")
+    return "\n\n".join(part.strip("\n") for part in parts) + "\n"
