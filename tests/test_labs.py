@@ -10,7 +10,7 @@ import re
 
 import nbformat
 import pytest
-from lab_mistakes import MISTAKES, FreesOnFirstDecref, Mistake, ignores_parent, ignores_salt
+from lab_mistakes import L3, MISTAKES, FreesOnFirstDecref, Mistake, ignores_parent, ignores_salt
 from lab_mistakes import dequantize as right_dequantize
 from lab_mistakes import truncates as truncating_quantize
 
@@ -225,13 +225,20 @@ def test_each_source_marks_its_solution_and_has_one_test_cell_per_check(name):
     assert "### BEGIN SOLUTION" in exercise.source and "TODO" in exercise.source
     tests = [(c, m) for c, m in zip(nb.cells, meta) if m and m["grade"]]
     names = []
-    for cell, m in tests:  # one line each: the check's name, its points in the comment
-        comment, call = cell.source.split("\n")
+    for i, (cell, m) in enumerate(tests):  # the check's visible line, then its hidden twin
+        visible = student.clear_hidden_tests(cell.source, True).split("\n")
+        comment, _, call = visible
         check = re.fullmatch(r'result\.raise_for_check\((".*")\)', call).group(1)[1:-1]
         assert m["locked"] and m["points"] > 0
         assert f"{m['points']} point" in comment and f'"{check}"' in comment
+        hidden = f'### BEGIN HIDDEN TESTS\nhidden.raise_for_check("{check}")\n### END HIDDEN TESTS'
+        assert cell.source.endswith(f"{call}\n{hidden}")
+        assert ("hidden = check_" in cell.source) == (i == 0)  # the first cell grades unseen cases
         names.append(check)
     assert names == grade(name, *KVLAB_PARTS[name]).checks  # every check, in the grader's order
+    assert re.search(
+        r"^hidden = check_\w+\(.*, verbose=False, seed=[1-9]\d*\)$", tests[0][0].source, re.M
+    )
     code = [(c, m) for c, m in zip(nb.cells, meta) if c.cell_type == "code"]
     assert code[0][1]["grade_id"] == "setup" and code[0][1]["locked"]  # the imports
     (grader,) = [m for c, m in code if c.source.startswith("result = check_")]
@@ -248,7 +255,8 @@ def test_each_source_runs_and_passes_every_check(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_student_notebooks_run_and_every_check_says_not_implemented(name):
     nb = nbformat.read(LABS / f"{name}.ipynb", as_version=4)
-    assert "BEGIN SOLUTION" not in nbformat.writes(nb)
+    text = nbformat.writes(nb)
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "seed=" not in text
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code")
     namespace, raised = _run_cells(nb, name)
     assert namespace["result"].not_implemented
@@ -269,6 +277,72 @@ def test_sources_match_their_jupytext_pairs(name):
     assert code == [
         (c.source, c.metadata.get("nbgrader")) for c in nb.cells if c.cell_type == "code"
     ]
+
+
+def test_clear_hidden_tests_removes_each_region_in_grade_cells_only():
+    source = "# 1 point\n### BEGIN HIDDEN TESTS\nh = 1\n### END HIDDEN TESTS\nassert x\n"
+    twice = source + "### BEGIN HIDDEN TESTS\nassert h\n### END HIDDEN TESTS"
+    assert student.clear_hidden_tests(twice, True) == "# 1 point\nassert x"
+    assert student.clear_hidden_tests("assert x", False) == "assert x"
+    with pytest.raises(ValueError, match="outside a grade cell"):
+        student.clear_hidden_tests(source, False)
+    with pytest.raises(ValueError, match="without"):
+        student.clear_hidden_tests("### BEGIN HIDDEN TESTS\nx = 1", True)
+
+
+@pytest.mark.parametrize("seed", [1, 2026])
+def test_graders_with_an_unseen_seed_accept_kvlab_and_reject_every_known_mistake(seed):
+    for lab in NAMES:
+        assert GRADERS[lab](*KVLAB_PARTS[lab], verbose=False, seed=seed).passed, (lab, seed)
+    for mistake in MISTAKES:
+        answer = (mistake.code, right_dequantize) if mistake.lab == L3 else (mistake.code,)
+        result = GRADERS[mistake.lab](*answer, verbose=False, seed=seed)
+        assert not result.passed, (mistake.name, seed)
+
+
+def _memorizer(record: dict, right, wrong, key):
+    """An answer that is right on the inputs in `record` (the cases a notebook shows), and
+    `wrong` elsewhere: what hidden tests exist to catch."""
+
+    def answer(*args):
+        return right(*args) if key(*args) in record else wrong(*args)
+
+    answer.__name__ = right.__name__
+    return answer
+
+
+def _recording(record: dict, fn, key):
+    def answer(*args):
+        record[key(*args)] = True
+        return fn(*args)
+
+    answer.__name__ = fn.__name__
+    return answer
+
+
+@pytest.mark.parametrize(
+    "lab, right, wrong, key",
+    [
+        (
+            "02_block_hash",
+            kvlab_block_keys,
+            lambda tokens, bs, salt: kvlab_block_keys(tokens, bs, None),  # ignores the salt
+            lambda tokens, bs, salt: (tuple(tokens), bs, salt),
+        ),
+        (
+            "04_preemption_victim",
+            choose_victim,
+            lambda running: min(running, key=lambda s: s.admit_order),  # the oldest
+            lambda running: tuple((s.request_id, s.priority, s.admit_order) for s in running),
+        ),
+    ],
+)
+def test_hidden_tests_catch_an_answer_that_is_right_only_on_the_cases_shown(lab, right, wrong, key):
+    shown: dict = {}
+    assert grade(lab, _recording(shown, right, key)).passed
+    memorized = _memorizer(shown, right, wrong, key)
+    assert grade(lab, memorized).passed  # the notebook's own checks cannot tell
+    assert not GRADERS[lab](memorized, verbose=False, seed=2026).passed  # its hidden tests can
 
 
 def test_clear_solutions_keeps_the_todo_and_indents_the_stub():

@@ -6,17 +6,19 @@ solution between `### BEGIN SOLUTION` and `### END SOLUTION` in the exercise cel
 locked, autograded test cell per grader check. The student version beside it,
 notebooks/labs/<lab>.ipynb (+ .py), is what this module makes of the source; it applies
 the steps of nbgrader's `generate_assignment` that change what a learner sees, configured
-as in notebooks/labs/nbgrader_config.py (tests/test_nbgrader.py checks both agree):
+as in notebooks/labs/nbgrader_config.py (tests/test_labs_nbgrader.py checks that
+`nbgrader generate_assignment` makes the same cells):
 
 * ClearSolutions: each solution region becomes `raise NotImplementedError`, indented like
   its BEGIN line (the TODO comments above it stay); a solution cell without a region
   becomes that stub entirely;
+* ClearHiddenTests: each `### BEGIN HIDDEN TESTS` ... `### END HIDDEN TESTS` region of a
+  grade cell is removed (the source keeps it, and autograde runs it);
 * LockCells: grade and locked cells get `editable: false, deletable: false`, the
   solution (exercise) cell `deletable: false`;
 * ClearOutput: no outputs, no execution counts.
 
-It skips what only a course's gradebook needs (checksums). Hidden tests are not used by
-kvlab's labs (the grader is kvlab's own code) and are refused.
+It skips what only a course's gradebook needs (checksums).
 
     python -m kvlab.labs.student            # rewrite notebooks/labs/<lab>.ipynb and .py
     python -m kvlab.labs.student --check    # exit 1, naming them, if any is out of date
@@ -35,6 +37,7 @@ import nbformat
 LABS = Path(__file__).resolve().parents[2] / "notebooks" / "labs"
 STUB = "raise NotImplementedError"  # c.ClearSolutions.code_stub in nbgrader_config.py
 BEGIN, END = "BEGIN SOLUTION", "END SOLUTION"  # nbgrader's delimiters (after "### ")
+BEGIN_HIDDEN, END_HIDDEN = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
 
 
 def lab_names(labs: Path = LABS) -> list[str]:
@@ -70,15 +73,34 @@ def clear_solutions(source: str, solution_cell: bool) -> str:
     return "\n".join(out)
 
 
+def clear_hidden_tests(source: str, grade_cell: bool) -> str:
+    """The cell's source without its hidden-test regions (delimiter lines included)."""
+    out, inside, removed = [], False, False
+    for line in source.split("\n"):
+        if BEGIN_HIDDEN in line:
+            if inside:
+                raise ValueError(f"nested {BEGIN_HIDDEN!r} in:\n{source}")
+            inside = removed = True
+        elif END_HIDDEN in line:
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{BEGIN_HIDDEN!r} without {END_HIDDEN!r} in:\n{source}")
+    if removed and not grade_cell:
+        raise ValueError(f"hidden tests outside a grade cell:\n{source}")
+    return "\n".join(out)
+
+
 def student_version(source: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The student notebook of a lab source: solutions stubbed, graded cells locked, no outputs."""
+    """The student notebook of a lab source: solutions stubbed, hidden tests removed, graded
+    cells locked, no outputs."""
     nb = copy.deepcopy(source)
     nb.metadata.pop("celltoolbar", None)  # nbgrader's "Create Assignment" toolbar
     for cell in nb.cells:
         meta = _grading(cell)
-        if "HIDDEN TESTS" in cell.source:
-            raise ValueError("hidden tests: kvlab's generator does not remove them")
         cell.source = clear_solutions(cell.source, bool(meta.get("solution")))
+        cell.source = clear_hidden_tests(cell.source, bool(meta.get("grade")))
         if meta.get("solution"):  # editable, but not deletable
             cell.metadata["deletable"] = False
         elif meta.get("grade") or meta.get("locked"):

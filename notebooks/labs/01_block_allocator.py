@@ -154,26 +154,33 @@ result = check_block_allocator(LabBlockAllocator)
 # Each cell below passes if the grader's check of that name passed; if not, it raises
 # `LabFailure` with that check's report (the broken invariant, the smallest failing input,
 # what was expected). Under nbgrader each of these cells is autograded and worth the points
-# it names, so a partly right answer gets partial marks; the cells are locked.
+# it names, so a partly right answer gets partial marks; the cells are locked. When your lab
+# is graded, each cell also runs its check on random cases this notebook does not show
+# (hidden tests): code that passes only the cases shown here loses those points.
 
 # %% nbgrader={"grade": true, "grade_id": "check_allocate_and_free", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "allocate and free".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("allocate and free")
 
 # %% nbgrader={"grade": true, "grade_id": "check_shared_blocks_reference_counts", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 3 points: the check "shared blocks: reference counts".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("shared blocks: reference counts")
 
 # %% nbgrader={"grade": true, "grade_id": "check_cached_blocks_reuse_and_lru_eviction", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 3 points: the check "cached blocks: reuse and LRU eviction".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("cached blocks: reuse and LRU eviction")
 
 # %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_hash_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "inside PagedCache with hash prefix caching".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("inside PagedCache with hash prefix caching")
 
 # %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_radix_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "inside PagedCache with radix prefix caching".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("inside PagedCache with radix prefix caching")
 
 # %% [markdown]

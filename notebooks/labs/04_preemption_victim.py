@@ -85,26 +85,33 @@ result = check_victim_choice(choose_victim)
 # Each cell below passes if the grader's check of that name passed; if not, it raises
 # `LabFailure` with that check's report (the broken invariant, the smallest failing input,
 # what was expected). Under nbgrader each of these cells is autograded and worth the points
-# it names, so a partly right answer gets partial marks; the cells are locked.
+# it names, so a partly right answer gets partial marks; the cells are locked. When your lab
+# is graded, each cell also runs its check on random cases this notebook does not show
+# (hidden tests): code that passes only the cases shown here loses those points.
 
 # %% nbgrader={"grade": true, "grade_id": "check_returns_a_running_sequence", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "returns a running sequence".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("returns a running sequence")
 
 # %% nbgrader={"grade": true, "grade_id": "check_priorities", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "priorities".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("priorities")
 
 # %% nbgrader={"grade": true, "grade_id": "check_most_recently_admitted_first", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 3 points: the check "most recently admitted first".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("most recently admitted first")
 
 # %% nbgrader={"grade": true, "grade_id": "check_independent_of_list_order", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "independent of list order".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("independent of list order")
 
 # %% nbgrader={"grade": true, "grade_id": "check_random_running_sets_vs_kvlab_s_scheduler", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "random running sets vs kvlab's Scheduler".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("random running sets vs kvlab's Scheduler")
 
 # %% [markdown]

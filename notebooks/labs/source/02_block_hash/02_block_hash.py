@@ -95,35 +95,68 @@ result = check_block_hash(block_keys)
 # Each cell below passes if the grader's check of that name passed; if not, it raises
 # `LabFailure` with that check's report (the broken invariant, the smallest failing input,
 # what was expected). Under nbgrader each of these cells is autograded and worth the points
-# it names, so a partly right answer gets partial marks; the cells are locked.
+# it names, so a partly right answer gets partial marks; the cells are locked. When your lab
+# is graded, each cell also runs its check on random cases this notebook does not show
+# (hidden tests): code that passes only the cases shown here loses those points.
 
 # %% nbgrader={"grade": true, "grade_id": "check_one_key_per_full_block", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "one key per full block".
+# Graded also on random cases not shown here (hidden tests).
+### BEGIN HIDDEN TESTS
+hidden = check_block_hash(block_keys, verbose=False, seed=2026)
+### END HIDDEN TESTS
 result.raise_for_check("one key per full block")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("one key per full block")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "check_same_prefix_same_keys", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "same prefix, same keys".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("same prefix, same keys")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("same prefix, same keys")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "check_chained_earlier_blocks_change_the_key", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "chained: earlier blocks change the key".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("chained: earlier blocks change the key")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("chained: earlier blocks change the key")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "check_no_collisions_between_different_blocks", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "no collisions between different blocks".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("no collisions between different blocks")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("no collisions between different blocks")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "check_salts_keep_tenants_apart", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 2 points: the check "salts keep tenants apart".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("salts keep tenants apart")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("salts keep tenants apart")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "check_random_prompts_equal_keys_exactly_where_kvlab_s_are", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "random prompts: equal keys exactly where kvlab's are".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("random prompts: equal keys exactly where kvlab's are")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("random prompts: equal keys exactly where kvlab's are")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_prompts_and_tenants_stay_separate", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 # Autograded, 1 point: the check "inside PagedCache: prompts and tenants stay separate".
+# Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("inside PagedCache: prompts and tenants stay separate")
+### BEGIN HIDDEN TESTS
+hidden.raise_for_check("inside PagedCache: prompts and tenants stay separate")
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## What the grader checks
