@@ -17,7 +17,7 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/06_kernels.ipynb notebooks/07_dashboard.ipynb \
 	notebooks/08_capacity_planner.ipynb notebooks/labs/source
 
-.PHONY: setup lab test lint browser bench clean
+.PHONY: setup lab test lint browser bench clean labs grading test-grading
 
 setup: $(STAMP)
 
@@ -41,6 +41,31 @@ browser:
 
 lab: setup
 	$(BIN)/jupyter lab notebooks/
+
+# The learners' lab notebooks, notebooks/labs/NN_*.ipynb (+ .py), are generated from the
+# one source of each lab, notebooks/labs/source/NN_*/NN_*.ipynb (tests/test_labs.py checks
+# that the committed ones are up to date).
+labs: setup
+	$(BIN)/python -m kvlab.labs.student
+
+# Grading with nbgrader (the `grading` extra) in its own venv on top of .venv: nbgrader
+# enables Jupyter extensions where it is installed, and `make lab` stays without them.
+GRADING ?= .venv-grading
+GRADING_STAMP := $(GRADING)/.kvlab-grading-installed
+
+grading: $(GRADING_STAMP)
+
+$(GRADING_STAMP): $(STAMP)
+	$(BIN)/python -m venv $(GRADING)
+	$(BIN)/python -c "import sysconfig; print(f\"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\")" \
+		> "$$($(GRADING)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_kvlab_venv.pth"
+	$(GRADING)/bin/python -m pip install --quiet "$$(sed -n 's/^grading = \["\(.*\)"\]/\1/p' pyproject.toml)"
+	touch $(GRADING_STAMP)
+
+# The nbgrader workflow on a throw-away course (generate, autograde, feedback); with
+# KVLAB_NBGRADER_ALL=1 every known-wrong answer of tests/lab_mistakes.py is handed in.
+test-grading: grading
+	JUPYTER_PATH=$(abspath $(VENV))/share/jupyter $(GRADING)/bin/python -m pytest tests/test_labs_nbgrader.py $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
