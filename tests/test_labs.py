@@ -243,6 +243,10 @@ def test_each_source_marks_its_solution_and_has_one_test_cell_per_check(name):
     assert code[0][1]["grade_id"] == "setup" and code[0][1]["locked"]  # the imports
     (grader,) = [m for c, m in code if c.source.startswith("result = check_")]
     assert grader["locked"] and not grader["grade"]  # runs the grader once, prints its report
+    # The cells that raise in the unsolved student version are tagged so that Run All (and
+    # nbval) goes on past them: the "try it" cell and every check cell, nothing else.
+    tagged = [m for c, m in code if "raises-exception" in c.metadata.get("tags", [])]
+    assert tagged == [None] + [m for _, m in tests]
 
 
 @pytest.mark.parametrize("name", NAMES)

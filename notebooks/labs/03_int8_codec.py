@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: nbgrader,-all
+#     cell_metadata_filter: nbgrader,tags,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -68,7 +68,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # %% [markdown]
 # ## Try it
 
-# %%
+# %% tags=["raises-exception"]
 gen = torch.Generator().manual_seed(0)
 sizes = torch.tensor([1.0, 8.0, 0.1])  # three KV heads of very different size
 k = torch.randn(4, 3, 64, generator=gen) * sizes[None, :, None]
@@ -99,32 +99,32 @@ result = check_int8_codec(quantize_int8, dequantize_int8)
 # is graded, each cell also runs its check on random cases this notebook does not show
 # (hidden tests): code that passes only the cases shown here loses those points.
 
-# %% nbgrader={"grade": true, "grade_id": "check_shapes_and_dtypes", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_shapes_and_dtypes", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "shapes and dtypes".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("shapes and dtypes")
 
-# %% nbgrader={"grade": true, "grade_id": "check_error_bound_on_k_v_like_tensors", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_error_bound_on_k_v_like_tensors", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 3 points: the check "error bound on K/V-like tensors".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("error bound on K/V-like tensors")
 
-# %% nbgrader={"grade": true, "grade_id": "check_error_bound_from_1e_20_to_1e30", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_error_bound_from_1e_20_to_1e30", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "error bound from 1e-20 to 1e30".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("error bound from 1e-20 to 1e30")
 
-# %% nbgrader={"grade": true, "grade_id": "check_symmetric_code_range", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_symmetric_code_range", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "symmetric code range".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("symmetric code range")
 
-# %% nbgrader={"grade": true, "grade_id": "check_zeros_and_all_zero_heads", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_zeros_and_all_zero_heads", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "zeros and all-zero heads".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("zeros and all-zero heads")
 
-# %% nbgrader={"grade": true, "grade_id": "check_agrees_with_kvlab_s_int8_codec", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_agrees_with_kvlab_s_int8_codec", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "agrees with kvlab's Int8 codec".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("agrees with kvlab's Int8 codec")

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: nbgrader,-all
+#     cell_metadata_filter: nbgrader,tags,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -160,7 +160,7 @@ class LabBlockAllocator:
 # %% [markdown]
 # ## Try it
 
-# %%
+# %% tags=["raises-exception"]
 allocator = LabBlockAllocator(4)
 a, b = allocator.allocate(), allocator.allocate()
 allocator.incref(a)  # a second request shares block a (a common prompt prefix)
@@ -189,7 +189,7 @@ result = check_block_allocator(LabBlockAllocator)
 # is graded, each cell also runs its check on random cases this notebook does not show
 # (hidden tests): code that passes only the cases shown here loses those points.
 
-# %% nbgrader={"grade": true, "grade_id": "check_allocate_and_free", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_allocate_and_free", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "allocate and free".
 # Graded also on random cases not shown here (hidden tests).
 ### BEGIN HIDDEN TESTS
@@ -200,7 +200,7 @@ result.raise_for_check("allocate and free")
 hidden.raise_for_check("allocate and free")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_shared_blocks_reference_counts", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_shared_blocks_reference_counts", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 3 points: the check "shared blocks: reference counts".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("shared blocks: reference counts")
@@ -208,7 +208,7 @@ result.raise_for_check("shared blocks: reference counts")
 hidden.raise_for_check("shared blocks: reference counts")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_cached_blocks_reuse_and_lru_eviction", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_cached_blocks_reuse_and_lru_eviction", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 3 points: the check "cached blocks: reuse and LRU eviction".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("cached blocks: reuse and LRU eviction")
@@ -216,7 +216,7 @@ result.raise_for_check("cached blocks: reuse and LRU eviction")
 hidden.raise_for_check("cached blocks: reuse and LRU eviction")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_hash_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_hash_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "inside PagedCache with hash prefix caching".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("inside PagedCache with hash prefix caching")
@@ -224,7 +224,7 @@ result.raise_for_check("inside PagedCache with hash prefix caching")
 hidden.raise_for_check("inside PagedCache with hash prefix caching")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_radix_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_with_radix_prefix_caching", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "inside PagedCache with radix prefix caching".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("inside PagedCache with radix prefix caching")

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: nbgrader,-all
+#     cell_metadata_filter: nbgrader,tags,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -71,7 +71,7 @@ def block_keys(tokens: list[int], block_size: int, salt: str | None) -> list[byt
 # %% [markdown]
 # ## Try it
 
-# %%
+# %% tags=["raises-exception"]
 system = [1, 2, 3, 4, 5, 6, 7, 8]  # a shared system prompt: two blocks of 4
 a = block_keys(system + [10, 11, 12, 13, 14], 4, None)
 b = block_keys(system + [20, 21, 22, 23], 4, None)
@@ -99,7 +99,7 @@ result = check_block_hash(block_keys)
 # is graded, each cell also runs its check on random cases this notebook does not show
 # (hidden tests): code that passes only the cases shown here loses those points.
 
-# %% nbgrader={"grade": true, "grade_id": "check_one_key_per_full_block", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_one_key_per_full_block", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "one key per full block".
 # Graded also on random cases not shown here (hidden tests).
 ### BEGIN HIDDEN TESTS
@@ -110,7 +110,7 @@ result.raise_for_check("one key per full block")
 hidden.raise_for_check("one key per full block")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_same_prefix_same_keys", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_same_prefix_same_keys", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "same prefix, same keys".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("same prefix, same keys")
@@ -118,7 +118,7 @@ result.raise_for_check("same prefix, same keys")
 hidden.raise_for_check("same prefix, same keys")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_chained_earlier_blocks_change_the_key", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_chained_earlier_blocks_change_the_key", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "chained: earlier blocks change the key".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("chained: earlier blocks change the key")
@@ -126,7 +126,7 @@ result.raise_for_check("chained: earlier blocks change the key")
 hidden.raise_for_check("chained: earlier blocks change the key")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_no_collisions_between_different_blocks", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_no_collisions_between_different_blocks", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "no collisions between different blocks".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("no collisions between different blocks")
@@ -134,7 +134,7 @@ result.raise_for_check("no collisions between different blocks")
 hidden.raise_for_check("no collisions between different blocks")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_salts_keep_tenants_apart", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_salts_keep_tenants_apart", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "salts keep tenants apart".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("salts keep tenants apart")
@@ -142,7 +142,7 @@ result.raise_for_check("salts keep tenants apart")
 hidden.raise_for_check("salts keep tenants apart")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_random_prompts_equal_keys_exactly_where_kvlab_s_are", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_random_prompts_equal_keys_exactly_where_kvlab_s_are", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "random prompts: equal keys exactly where kvlab's are".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("random prompts: equal keys exactly where kvlab's are")
@@ -150,7 +150,7 @@ result.raise_for_check("random prompts: equal keys exactly where kvlab's are")
 hidden.raise_for_check("random prompts: equal keys exactly where kvlab's are")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_prompts_and_tenants_stay_separate", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_inside_pagedcache_prompts_and_tenants_stay_separate", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "inside PagedCache: prompts and tenants stay separate".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("inside PagedCache: prompts and tenants stay separate")

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     cell_metadata_filter: nbgrader,-all
+#     cell_metadata_filter: nbgrader,tags,-all
 #     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
@@ -62,7 +62,7 @@ def choose_victim(running: list[Sequence]) -> Sequence:
 # %% [markdown]
 # ## Try it
 
-# %%
+# %% tags=["raises-exception"]
 running = [
     running_seq(0, priority=0, admit_order=1, arrival_s=0.0),
     running_seq(1, priority=1, admit_order=2, arrival_s=0.1),  # an important request
@@ -91,7 +91,7 @@ result = check_victim_choice(choose_victim)
 # is graded, each cell also runs its check on random cases this notebook does not show
 # (hidden tests): code that passes only the cases shown here loses those points.
 
-# %% nbgrader={"grade": true, "grade_id": "check_returns_a_running_sequence", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_returns_a_running_sequence", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "returns a running sequence".
 # Graded also on random cases not shown here (hidden tests).
 ### BEGIN HIDDEN TESTS
@@ -102,7 +102,7 @@ result.raise_for_check("returns a running sequence")
 hidden.raise_for_check("returns a running sequence")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_priorities", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_priorities", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "priorities".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("priorities")
@@ -110,7 +110,7 @@ result.raise_for_check("priorities")
 hidden.raise_for_check("priorities")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_most_recently_admitted_first", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_most_recently_admitted_first", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 3 points: the check "most recently admitted first".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("most recently admitted first")
@@ -118,7 +118,7 @@ result.raise_for_check("most recently admitted first")
 hidden.raise_for_check("most recently admitted first")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_independent_of_list_order", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_independent_of_list_order", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 1 point: the check "independent of list order".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("independent of list order")
@@ -126,7 +126,7 @@ result.raise_for_check("independent of list order")
 hidden.raise_for_check("independent of list order")
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "check_random_running_sets_vs_kvlab_s_scheduler", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "check_random_running_sets_vs_kvlab_s_scheduler", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false} tags=["raises-exception"]
 # Autograded, 2 points: the check "random running sets vs kvlab's Scheduler".
 # Graded also on random cases not shown here (hidden tests).
 result.raise_for_check("random running sets vs kvlab's Scheduler")
