@@ -123,15 +123,13 @@ def course(tmp_path_factory, monkeypatch_module):
 
     root = tmp_path_factory.mktemp("course")
     shutil.copy(LABS / "nbgrader_config.py", root)
-    for name in NAMES:
-        (root / "source" / name).mkdir(parents=True)
-        shutil.copy(LABS / "source" / name / f"{name}.ipynb", root / "source" / name)
+    for name in NAMES:  # the whole folder, jupytext pair (with the solutions) included
+        shutil.copytree(LABS / "source" / name, root / "source" / name)
     # The kernels import this checkout's kvlab; a new gradebook asks `alembic heads` (a
     # subprocess that must be on PATH and imports all of nbgrader) for a fixed revision.
     path = os.environ.get("PYTHONPATH", "")
     monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), path) if p))
     monkeypatch_module.setattr(nbgrader.api, "get_alembic_version", lambda: ALEMBIC_HEAD)
-    warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy 2.1 SAWarnings
 
     config = PyFileConfigLoader("nbgrader_config.py", path=str(root)).load_config()
     api = NbGraderAPI(coursedir=CourseDirectory(root=str(root), config=config), config=config)
@@ -139,19 +137,21 @@ def course(tmp_path_factory, monkeypatch_module):
     def ok(result: dict) -> None:
         assert result["success"], f"{result.get('log')}\n{result.get('error')}"
 
-    for name in NAMES:
-        ok(api.generate_assignment(name, force=True))
-        release = root / "release" / name / f"{name}.ipynb"
-        for who, exercise in _submissions(name).items():
-            nb = nbformat.read(release, as_version=4)
-            if exercise is not None:
-                (cell,) = [c for c in nb.cells if _meta(c).get("solution")]
-                cell.source = exercise
-            out = root / "submitted" / who / name / f"{name}.ipynb"
-            out.parent.mkdir(parents=True)
-            nbformat.write(nb, out)
-        ok(api.autograde(name, "*", force=True))
-        ok(api.generate_feedback(name, "*", force=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="nbgrader.api")  # SQLAlchemy 2.1 SAWarnings
+        for name in NAMES:
+            ok(api.generate_assignment(name, force=True))
+            release = root / "release" / name / f"{name}.ipynb"
+            for who, exercise in _submissions(name).items():
+                nb = nbformat.read(release, as_version=4)
+                if exercise is not None:
+                    (cell,) = [c for c in nb.cells if _meta(c).get("solution")]
+                    cell.source = exercise
+                out = root / "submitted" / who / name / f"{name}.ipynb"
+                out.parent.mkdir(parents=True)
+                nbformat.write(nb, out)
+            ok(api.autograde(name, "*", force=True))
+            ok(api.generate_feedback(name, "*", force=True))
     return root
 
 
@@ -174,6 +174,7 @@ def _scores(root: Path, name: str) -> dict[str, tuple[float, float, dict[str, fl
 
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_assignment_makes_the_committed_student_notebook(course, name):
+    assert [p.name for p in (course / "release" / name).iterdir()] == [f"{name}.ipynb"]
     release = nbformat.read(course / "release" / name / f"{name}.ipynb", as_version=4)
     committed = nbformat.read(LABS / f"{name}.ipynb", as_version=4)
     assert [c.source for c in release.cells] == [c.source for c in committed.cells]

@@ -7,6 +7,9 @@ the whole workflow with exactly this file.
 
 c = get_config()  # noqa: F821 (nbgrader's config loader defines it)
 c.CourseDirectory.course_id = "kvlab"
+# nbgrader copies every other file of a source folder into the release: the jupytext pair
+# source/<lab>/<lab>.py holds the solutions, so it (and any .py) stays out.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "*.py"]
 
 # The student version gets kvlab's own stub (the TODO comments above it stay), so that the
 # release is exactly notebooks/labs/<lab>.ipynb, what `python -m kvlab.labs.student` makes.
