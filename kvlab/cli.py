@@ -103,6 +103,25 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=run_plan)
 
+    srv = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with vLLM's /metrics over one engine"
+    )
+    srv.add_argument("--model", default=None, help="HF hub id or local dir (default: embedded)")
+    srv.add_argument(
+        "--config",
+        default=None,
+        help="a config name (as for compare; default paged+prefix) or a JSON object of "
+        'EngineConfig fields, e.g. \'{"cache": "paged", "admission": "watermark"}\'',
+    )
+    srv.add_argument("--budget", default=None, help="KV budget: bytes (1GiB) or tokens (8192tok)")
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="default: the model's name")
+    srv.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    srv.set_defaults(run=run_serve)
+
     wl = commands.add_parser("workload", help="write a built-in workload as a JSONL file")
     wl.add_argument("name", help="a built-in workload name")
     wl.add_argument("--n", type=int, default=None, help="number of requests")
@@ -279,6 +298,26 @@ def run_plan(args: argparse.Namespace) -> int:
         print(result.summary())
         print("\nGQA vs MHA (the same model with one KV head per query head):")
         print(gqa_vs_mha(shape, **options).to_string())
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import kvlab
+    from kvlab.experiments.configs import model_bytes_per_token, parse_budget
+    from kvlab.serve import Server, engine_config
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    base = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    engine_config(args.config, **base)  # a bad config fails before the model loads
+    model = kvlab.load_model(args.model, device=args.device, progress=False)
+    if args.budget:
+        base["kv_budget_bytes"] = parse_budget(args.budget, model_bytes_per_token(model))
+    engine = kvlab.Engine(model, engine_config(args.config, **base))
+    server = Server(engine, args.served_model_name)
+    server.log_startup()
+    server.run(args.host, args.port, args.log_level)
     return 0
 
 

@@ -156,8 +156,17 @@ class Engine:
         seq = self.make_sequence(
             prompt, params, chat=chat, arrival_s=arrival_s, salt=salt, priority=priority
         )
+        return self.enqueue(seq)
+
+    def enqueue(self, seq: Sequence) -> int:
+        """Queue a sequence built by `make_sequence` (add_request is both in one call)."""
         self.scheduler.add(seq)
         return seq.request_id
+
+    def samples(self, seq: Sequence) -> list[Sequence]:
+        """Every sample of an unfinished request: `seq`, then (n > 1, once forked) its
+        children, in sample order."""
+        return self._groups.get(seq.request_id, [seq])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

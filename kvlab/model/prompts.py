@@ -18,3 +18,15 @@ def encode_prompt(tokenizer, prompt: str | list[int], chat: bool | None = None) 
             )
         )
     return list(tokenizer.encode(prompt))
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat ({role, content} messages) through the model's chat template,
+    ending with the assistant's turn; ValueError if the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
