@@ -39,7 +39,7 @@ UNSUPPORTED: dict[str, tuple] = {
 class BadRequest(ValueError):
     """A request the server refuses: HTTP `status` with a message naming the limit."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400):
         super().__init__(message)
         self.status, self.param = status, param
 
