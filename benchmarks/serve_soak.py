@@ -1,0 +1,83 @@
+"""Issue figures for the soak of `kvlab serve` (issue 15, part 6): concurrent streaming
+clients on loopback with random disconnects and bad requests mixed in.
+
+    python benchmarks/serve_soak.py [--clients 64] [--requests-per-client 2] [--model PATH]
+
+Serves the embedded model (or --model) in this process on a free loopback port, with a
+KV budget too small for every client at once (watermark admission: requests preempt),
+and prints JSON: clients, requests, completed, matched a solo run, disconnects, bad
+requests answered 4xx, unexpected failures, leaked blocks, crashes (engine steps that
+raised), preemptions, and whether the server was still up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+
+import torch
+
+import kvlab
+from kvlab import texts
+from kvlab.serve import ServerThread, engine_config
+from kvlab.serve.soak import soak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--budget-tokens", type=int, default=2048)
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    model = kvlab.load_model(args.model, device="cpu", progress=False)
+    max_model_len = 1024
+    solo = kvlab.Engine(model, engine_config("paged", max_model_len=max_model_len))
+    prompts = [solo.encode(p) for p in texts.chat_prompts()]  # chat template applied
+    params = kvlab.SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    expected = [solo.generate([p], params)[0].text for p in prompts]
+
+    config = engine_config(
+        "paged+prefix+watermark", max_model_len=max_model_len, kv_budget_tokens=args.budget_tokens
+    )
+    engine = kvlab.Engine(model, config)
+    started = time.perf_counter()
+    with ServerThread(engine) as server:
+        report = asyncio.run(
+            soak(server.url, model.name, prompts, expected, max_model_len=max_model_len,
+                 max_tokens=args.max_tokens, clients=args.clients,
+                 requests_per_client=args.requests_per_client, seed=args.seed)
+        )  # fmt: skip
+        wall_s = time.perf_counter() - started
+        while server.loop.call(lambda e: e.has_unfinished()).result(60):
+            time.sleep(0.1)
+        server.loop.call(lambda e: e.cache.check_integrity()).result(60)
+        report.leaked_blocks = server.loop.call(lambda e: e.cache.allocator.num_used).result(60)
+        report.crashes = server.loop.step_errors
+        preemptions = server.loop.call(lambda e: e.scheduler.preemptions).result(60)
+    print(
+        json.dumps(
+            {
+                "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, cpu",
+                "model": model.name,
+                "config": "paged+prefix+watermark",
+                "budget_tokens": args.budget_tokens,
+                "max_tokens": args.max_tokens,
+                **report.as_dict(),
+                "preemptions": preemptions,
+                "ok": report.ok(),
+                "wall_s": round(wall_s, 1),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
