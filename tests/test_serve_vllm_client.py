@@ -1,0 +1,65 @@
+"""vLLM's own benchmark client, `vllm bench serve` (from vLLM's venv, a client nobody
+here wrote), against `kvlab serve` on 127.0.0.1: the random and the shared-prefix
+dataset. It checks that every request completes with the tokens asked for and that
+kvlab's /metrics, under vLLM's names, counts the shared prefixes as hits. Nothing is
+timed here: benchmarks/serve_vs_vllm.py prints the speed figures.
+
+Opt-in, since each run imports vLLM (30 s to 2 min here): KVLAB_VLLM_TESTS=1. Skips,
+saying why, where vLLM's venv is absent: $KVLAB_VLLM_VENV, else .venv-vllm.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import kvlab  # noqa: E402
+from kvlab.serve import ServerThread, engine_config  # noqa: E402
+from kvlab.serve.vllm_bench import bench_serve, vllm_missing  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("KVLAB_VLLM_TESTS") != "1", reason="opt-in: set KVLAB_VLLM_TESTS=1"
+    ),
+    pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing())),
+]
+PROMPTS, OUTPUT_LEN = 8, 8
+
+
+def counter(server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page, _ = server.server.metrics.render()
+    for family in text_string_to_metric_families(page.decode()):
+        if family.name == name:
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("dataset", ["random", "prefix_repetition"])
+def test_vllm_bench_serve_against_kvlab_serve(tiny_model, dataset):
+    config = engine_config("paged+prefix", max_model_len=1024, kv_budget_tokens=8192)
+    engine = kvlab.Engine(tiny_model, config)
+    with ServerThread(engine) as server:
+        result = bench_serve(
+            server.url, model=tiny_model.name, tokenizer=tiny_model.name, dataset=dataset,
+            num_prompts=PROMPTS, output_len=OUTPUT_LEN, input_len=48, prefix_len=64,
+            suffix_len=16, num_prefixes=2, timeout_s=300,
+        )  # fmt: skip
+        queries = counter(server, "vllm:prefix_cache_queries")
+        hits = counter(server, "vllm:prefix_cache_hits")
+        server.loop.call(lambda e: e.cache.check_integrity()).result(10)
+        used = server.loop.call(lambda e: e.cache.allocator.num_used).result(10)
+    assert (result["completed"], result["failed"]) == (PROMPTS, 0)
+    assert result["total_output_tokens"] == PROMPTS * OUTPUT_LEN  # ignore_eos honoured
+    assert queries == result["total_input_tokens"]
+    assert used == 0
+    if dataset == "prefix_repetition":
+        # 2 prefixes of 64 tokens (4 blocks), 4 prompts each: every request after the
+        # first of its prefix that is admitted once that prefix is computed hits 64 tokens
+        assert hits >= 64 and hits % 16 == 0
+    else:
+        assert hits <= 16 * PROMPTS  # random prompts share little beyond a stray block
