@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--block-size", type=int, default=16)
     cmp.add_argument("--max-num-seqs", type=int, default=64)
     cmp.add_argument("--html", default=None, metavar="PATH", help="write a plotly report")
+    _endpoint_args(cmp)
     cmp.set_defaults(run=run_compare)
 
     bench = commands.add_parser("bench", help="kvlab against HF transformers on one workload")
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=1, help="alternating-order rounds")
     bench.add_argument("--save", default=None, metavar="PATH", help="save the full result JSON")
     bench.add_argument("--html", default=None, metavar="PATH", help="write a plotly report")
+    _endpoint_args(bench)
     bench.set_defaults(run=run_bench)
 
     plan = commands.add_parser("plan", help="capacity planner: how many sequences fit")
@@ -156,6 +158,40 @@ def _load_workload(args: argparse.Namespace):
         raise ValueError(f"workload {args.workload!r}: {err}") from None
 
 
+def _endpoint_args(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="URL",
+        help="also replay the workload (same token ids) against this OpenAI-compatible "
+        "server (kvlab serve, vllm serve) and read its /metrics",
+    )
+    sub.add_argument(
+        "--endpoint-model", default=None, help="the model name it serves (default: its first)"
+    )
+
+
+def _replay_endpoint(args: argparse.Namespace, model, requests) -> dict | None:
+    """The endpoint's summary row (kvlab.serve.replay), or None without --endpoint."""
+    if not args.endpoint:
+        return None
+    import asyncio
+
+    from kvlab.serve.replay import replay, served_model
+    from kvlab.workloads import encode_requests
+
+    name = args.endpoint_model or served_model(args.endpoint)
+    ignore_eos = not getattr(args, "stop_at_eos", False)
+    encoded = encode_requests(model, requests)
+    return asyncio.run(replay(args.endpoint, name, encoded, ignore_eos=ignore_eos)).summary()
+
+
+def _print_endpoint(row: dict | None) -> None:
+    if row:
+        print(f"\nendpoint {row['endpoint']} (its /metrics; latencies on this client's clock):")
+        print("\n".join(f"  {key}: {value}" for key, value in row.items() if key != "endpoint"))
+
+
 def _split(names: str) -> list[str]:
     """Comma-separated names, blanks dropped: 'a, b,,c' -> ['a', 'b', 'c']."""
     return [n.strip() for n in names.split(",") if n.strip()]
@@ -228,16 +264,19 @@ def run_compare(args: argparse.Namespace) -> int:
         workload=args.workload,
         max_num_seqs=args.max_num_seqs,
     )
+    endpoint = _replay_endpoint(args, model, requests)
     if args.html:
         result.write_html(args.html)
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        out = result.to_json()
+        print(json.dumps({**out, "endpoint": endpoint} if endpoint else out, indent=2))
     else:
         print(
             f"{args.workload}: {len(requests)} requests, KV budget "
             f"{result.budget_bytes / MiB:.1f} MiB, max_model_len {result.max_model_len}"
         )
         print(result.table().astype(object).T.to_string())
+        _print_endpoint(endpoint)
     return 0
 
 
@@ -263,17 +302,22 @@ def run_bench(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         workload=args.workload,
     )
+    endpoint = _replay_endpoint(args, model, requests)
+    if endpoint:
+        result.meta["endpoint"] = endpoint
     if args.save:
         result.save(args.save)
     if args.html:
         result.write_html(args.html)
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        out = result.to_json()
+        print(json.dumps({**out, "endpoint": endpoint} if endpoint else out, indent=2))
     else:
         print(f"{args.workload}: {len(requests)} requests, greedy, same prompts and lengths")
         print(result.table().to_string())
         for name, ratio in result.ratios().items():
             print(f"{name}: {ratio:.2f}x")
+        _print_endpoint(endpoint)
     return 0
 
 
