@@ -124,6 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     srv.set_defaults(run=run_serve)
 
+    rep = commands.add_parser(
+        "replay", help="a workload against any OpenAI-compatible server, with its /metrics"
+    )
+    rep.add_argument("--endpoint", required=True, metavar="URL", help="e.g. http://host:8000")
+    rep.add_argument(
+        "--endpoint-model", default=None, help="the model name it serves (default: its first)"
+    )
+    rep.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer dir or hub id of the served model (default: the embedded model)",
+    )
+    rep.add_argument("--workload", default="doc-qa", help="a built-in workload or a .jsonl file")
+    rep.add_argument("--n", type=int, default=None, help="requests (built-in workloads)")
+    rep.add_argument("--seed", type=int, default=None, help="seed (built-in workloads)")
+    rep.add_argument("--stop-at-eos", action="store_true", help="default: exact token counts")
+    rep.add_argument("--json", action="store_true", help="print one JSON object")
+    rep.set_defaults(run=run_replay)
+
     wl = commands.add_parser("workload", help="write a built-in workload as a JSONL file")
     wl.add_argument("name", help="a built-in workload name")
     wl.add_argument("--n", type=int, default=None, help="number of requests")
@@ -362,6 +381,22 @@ def run_serve(args: argparse.Namespace) -> int:
     server = Server(engine, args.served_model_name)
     server.log_startup()
     server.run(args.host, args.port, args.log_level)
+    return 0
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from kvlab.model.loading import _embedded_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or _embedded_checkpoint(False))
+    row = _replay_endpoint(args, SimpleNamespace(tokenizer=tokenizer), _load_workload(args))
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        _print_endpoint(row)
     return 0
 
 

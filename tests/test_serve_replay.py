@@ -61,3 +61,15 @@ def test_compare_and_bench_take_an_endpoint(tiny_model, tmp_path, capsys):
         assert out["endpoint"]["endpoint"] == server.url
         assert out["endpoint"]["output_tokens"] == 10 + 11 + 12
     assert benched["systems"]["kvlab"]["output_tokens"] == 33
+
+
+def test_kvlab_replay_needs_only_a_tokenizer(tiny_model, tmp_path, capsys):
+    path = tmp_path / "w.jsonl"
+    write_jsonl(workload()[:2], path)
+    config = engine_config("paged+prefix", max_model_len=256, kv_budget_tokens=2048)
+    with ServerThread(kvlab.Engine(tiny_model, config)) as server:
+        argv = ["replay", "--endpoint", server.url, "--tokenizer", tiny_model.name]
+        assert main([*argv, "--workload", str(path), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["requests"] == 2 and row["output_tokens"] == 21
+    assert row["prefix_queries"] == 2 * len(SHARED) + 4 + 7
