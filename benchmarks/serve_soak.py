@@ -1,7 +1,7 @@
 """Issue figures for the soak of `kvlab serve` (issue 15, part 6): concurrent streaming
 clients on loopback with random disconnects and bad requests mixed in.
 
-    python benchmarks/serve_soak.py [--clients 64] [--requests-per-client 2] [--model PATH]
+    python benchmarks/serve_soak.py [--clients 64] [--requests-per-client 2] [--prompts 16]
 
 Serves the embedded model (or --model) in this process on a free loopback port, with a
 KV budget too small for every client at once (watermark admission: requests preempt),
@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -30,7 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16, help="distinct chat prompts")
     parser.add_argument("--budget-tokens", type=int, default=2048)
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--seed", type=int, default=0)
@@ -39,9 +41,11 @@ def main() -> None:
     model = kvlab.load_model(args.model, device="cpu", progress=False)
     max_model_len = 1024
     solo = kvlab.Engine(model, engine_config("paged", max_model_len=max_model_len))
-    prompts = [solo.encode(p) for p in texts.chat_prompts()]  # chat template applied
+    chats = texts.chat_prompts()[: args.prompts]
+    prompts = [solo.encode(p) for p in chats]  # chat template applied
     params = kvlab.SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-    expected = [solo.generate([p], params)[0].text for p in prompts]
+    expected = [solo.generate([p], params)[0].text for p in prompts]  # one at a time
+    print(f"{len(prompts)} solo runs done", file=sys.stderr, flush=True)
 
     config = engine_config(
         "paged+prefix+watermark", max_model_len=max_model_len, kv_budget_tokens=args.budget_tokens
@@ -69,6 +73,7 @@ def main() -> None:
                 "config": "paged+prefix+watermark",
                 "budget_tokens": args.budget_tokens,
                 "max_tokens": args.max_tokens,
+                "distinct_prompts": len(prompts),
                 **report.as_dict(),
                 "preemptions": preemptions,
                 "ok": report.ok(),
