@@ -20,6 +20,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,13 +109,16 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     args = parser.parse_args()
     missing = vllm_missing()
     if missing:
         raise SystemExit(f"vllm bench serve cannot run: {missing}")
     kvlab.load_model(device="cpu", progress=False)  # converts the embedded model once
     model_path = str(cache_dir() / "models" / EMBEDDED_MODEL)
-    log_dir = Path(args.out).parent if args.out else Path(".")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvlab-serve-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"server logs: {log_dir}", file=sys.stderr)
     rows = []
     for name in args.servers.split(","):
         sock = free_socket()
