@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=16, help="distinct chat prompts")
-    parser.add_argument("--budget-tokens", type=int, default=2048)
+    parser.add_argument("--budget-tokens", type=int, default=768)
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
