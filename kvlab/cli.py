@@ -127,7 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep = commands.add_parser(
         "replay", help="a workload against any OpenAI-compatible server, with its /metrics"
     )
-    rep.add_argument("--endpoint", required=True, metavar="URL", help="e.g. http://host:8000")
+    rep.add_argument(
+        "--endpoint",
+        required=True,
+        metavar="URL[,URL...]",
+        help="e.g. http://host:8000; several (comma-separated) run one after another",
+    )
     rep.add_argument(
         "--endpoint-model", default=None, help="the model name it serves (default: its first)"
     )
@@ -140,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--n", type=int, default=None, help="requests (built-in workloads)")
     rep.add_argument("--seed", type=int, default=None, help="seed (built-in workloads)")
     rep.add_argument("--stop-at-eos", action="store_true", help="default: exact token counts")
-    rep.add_argument("--json", action="store_true", help="print one JSON object")
+    rep.add_argument("--json", action="store_true", help="print a JSON list, a row per server")
+    rep.add_argument("--html", default=None, metavar="PATH", help="write a plotly report")
     rep.set_defaults(run=run_replay)
 
     wl = commands.add_parser("workload", help="write a built-in workload as a JSONL file")
@@ -190,19 +196,22 @@ def _endpoint_args(sub: argparse.ArgumentParser) -> None:
     )
 
 
-def _replay_endpoint(args: argparse.Namespace, model, requests) -> dict | None:
-    """The endpoint's summary row (kvlab.serve.replay), or None without --endpoint."""
-    if not args.endpoint:
-        return None
+def _replay(args: argparse.Namespace, endpoint: str, model, requests):
+    """A ReplayResult (kvlab.serve.replay) of the workload against one endpoint."""
     import asyncio
 
     from kvlab.serve.replay import replay, served_model
     from kvlab.workloads import encode_requests
 
-    name = args.endpoint_model or served_model(args.endpoint)
+    name = args.endpoint_model or served_model(endpoint)
     ignore_eos = not getattr(args, "stop_at_eos", False)
     encoded = encode_requests(model, requests)
-    return asyncio.run(replay(args.endpoint, name, encoded, ignore_eos=ignore_eos)).summary()
+    return asyncio.run(replay(endpoint, name, encoded, ignore_eos=ignore_eos))
+
+
+def _replay_endpoint(args: argparse.Namespace, model, requests) -> dict | None:
+    """The endpoint's summary row, or None without --endpoint."""
+    return _replay(args, args.endpoint, model, requests).summary() if args.endpoint else None
 
 
 def _print_endpoint(row: dict | None) -> None:
@@ -392,11 +401,24 @@ def run_replay(args: argparse.Namespace) -> int:
     from kvlab.model.loading import _embedded_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or _embedded_checkpoint(False))
-    row = _replay_endpoint(args, SimpleNamespace(tokenizer=tokenizer), _load_workload(args))
+    model, requests = SimpleNamespace(tokenizer=tokenizer), _load_workload(args)
+    results = {url: _replay(args, url, model, requests) for url in _split(args.endpoint)}
+    rows = [result.summary() for result in results.values()]
+    if args.html:
+        import pandas as pd
+
+        from kvlab.viz.endpoint import endpoint_figure
+        from kvlab.viz.report import write_report
+
+        table = pd.DataFrame(rows).set_index("endpoint")
+        note = f"{len(requests)} requests; latencies on the client's clock"
+        figures = {"live /metrics and latencies": endpoint_figure(results)}
+        write_report(args.html, f"kvlab replay: {args.workload}", note, {"servers": table}, figures)
     if args.json:
-        print(json.dumps(row, indent=2))
+        print(json.dumps(rows, indent=2))
     else:
-        _print_endpoint(row)
+        for row in rows:
+            _print_endpoint(row)
     return 0
 
 

@@ -64,12 +64,20 @@ def test_compare_and_bench_take_an_endpoint(tiny_model, tmp_path, capsys):
 
 
 def test_kvlab_replay_needs_only_a_tokenizer(tiny_model, tmp_path, capsys):
-    path = tmp_path / "w.jsonl"
+    path, report = tmp_path / "w.jsonl", tmp_path / "replay.html"
     write_jsonl(workload()[:2], path)
     config = engine_config("paged+prefix", max_model_len=256, kv_budget_tokens=2048)
-    with ServerThread(kvlab.Engine(tiny_model, config)) as server:
-        argv = ["replay", "--endpoint", server.url, "--tokenizer", tiny_model.name]
-        assert main([*argv, "--workload", str(path), "--json"]) == 0
-    row = json.loads(capsys.readouterr().out)
-    assert row["requests"] == 2 and row["output_tokens"] == 21
-    assert row["prefix_queries"] == 2 * len(SHARED) + 4 + 7
+    with (
+        ServerThread(kvlab.Engine(tiny_model, config)) as one,
+        ServerThread(kvlab.Engine(tiny_model, engine_config("paged", max_model_len=256))) as two,
+    ):
+        argv = ["replay", "--endpoint", f"{one.url},{two.url}", "--tokenizer", tiny_model.name]
+        assert main([*argv, "--workload", str(path), "--json", "--html", str(report)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["endpoint"] for row in rows] == [one.url, two.url]
+    for row in rows:
+        assert row["requests"] == 2 and row["output_tokens"] == 21
+        assert row["prefix_queries"] == 2 * len(SHARED) + 4 + 7
+    assert rows[1]["prefix_hits"] == 0  # no prefix caching on the second server
+    page = report.read_text()
+    assert "kvlab replay" in page and "KV-cache usage (its " in page and "waiting (dotted)" in page
