@@ -17,6 +17,7 @@ from kvlab.cache.codecs.quant import group_size
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.config import EngineConfig
+from kvlab.units import round_up
 
 CPU = torch.device("cpu")
 NAMES = CODECS.names()  # every registered codec but the baseline (None)
@@ -26,7 +27,7 @@ ROUNDING = 1 + 2**-8  # a bf16 scale may be this much larger than the exact one
 def roundtrip(name, k, v, chunks=(None,)):
     """Write (T, H, D) K/V into slots 0..T-1 of a 1-layer pool in the given chunks, read back."""
     t, h, d = k.shape
-    pool = KVPool(KVSpec(1, h, d), -(-t // 64) * 64, torch.float32, CPU, name)
+    pool = KVPool(KVSpec(1, h, d), round_up(t, 64), torch.float32, CPU, name)
     start = 0
     for size in (*chunks[:-1], t):
         end = min(t, start + size) if size else t

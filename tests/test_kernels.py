@@ -14,7 +14,6 @@ fp32 1e-4 (exp2 is approximate there), both relative to the output's largest val
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -46,6 +45,7 @@ from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention  # noqa: E402
 from kvlab.model.kernel_attention import KernelAttention, kernel_write, pool_layer  # noqa: E402
 from kvlab.model.metadata import build_attention_metadata  # noqa: E402
+from kvlab.units import ceil_div  # noqa: E402
 
 CODECS = (None, "int8", "fp8_e4m3", "fp8_e5m2")
 FLOAT_CODECS = (None, "fp16", "bf16")
@@ -76,7 +76,7 @@ class Case:
         seed: int = 0,
     ):
         g = torch.Generator().manual_seed(seed)
-        need = [math.ceil(n / block_size) for n in lens]
+        need = [ceil_div(n, block_size) for n in lens]
         num_blocks = sum(need) + 3  # a few blocks nobody owns
         order = torch.randperm(num_blocks, generator=g).tolist()
         tables = torch.zeros(len(lens), max(need), dtype=torch.int32)  # padded with 0

@@ -34,7 +34,7 @@ from kvlab.engine.engine import Engine
 from kvlab.experiments.configs import default_max_model_len, model_bytes_per_token, parse_config
 from kvlab.experiments.peers import choose_batch_size, hf_generate, hf_generate_batch
 from kvlab.model.loading import LoadedModel
-from kvlab.units import round_up
+from kvlab.units import ceil_div, round_up
 from kvlab.workloads import Request, encode_requests
 
 PEERS = ("hf-generate", "hf-generate-batch")
@@ -238,7 +238,7 @@ def run_bench(
         if name == "hf-generate":
             peer = hf_generate(model, ids, new, batch_size, ignore_eos=True, progress=show)
         else:
-            num_blocks = -(-budget_bytes // (page_size * per_token))
+            num_blocks = ceil_div(budget_bytes, page_size * per_token)
             peer = hf_generate_batch(
                 model, ids, new, num_blocks, page_size, step_tokens, progress=show
             )

@@ -39,7 +39,7 @@ from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.runner import ModelRunner
-from kvlab.units import MiB
+from kvlab.units import MiB, round_up
 
 BASELINE = "baseline"  # the codec column's name for kv_codec=None
 
@@ -54,7 +54,7 @@ def label(kv_codec: str | None) -> str:
 
 
 def _slots_for(num_tokens: int) -> int:
-    return -(-num_tokens // 64) * 64  # a multiple of every codec's alignment
+    return round_up(num_tokens, 64)  # a multiple of every codec's alignment
 
 
 def heldout_ids(model: LoadedModel, num_tokens: int | None = None) -> list[int]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from kvlab.kernels import walk
+from kvlab.units import ceil_div, round_up
 
 PALETTE = qualitative.Plotly
 
@@ -76,11 +75,9 @@ def block_walk_figure(
             row=2,
             col=1,
         )
-    for split in range(1, num_splits):  # where one program's chunk ends and the next's begins
-        chunk = (
-            math.ceil(math.ceil(max(len(t) for t in block_tables) * block_size / num_splits) / tile)
-            * tile
-        )
+    # where one program's chunk ends and the next's begins (walk's chunk)
+    chunk = round_up(ceil_div(max(len(t) for t in block_tables) * block_size, num_splits), tile)
+    for split in range(1, num_splits):
         if split * chunk < span:
             fig.add_vline(x=split * chunk - 0.5, line_dash="dash", line_color="grey", row=1, col=1)
     blocks = [f"block {i}" for i in range(num_blocks)]  # every block, free ones too

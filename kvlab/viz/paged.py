@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import ipywidgets as widgets
 import pandas as pd
 import plotly.graph_objects as go
@@ -13,7 +11,7 @@ from plotly.subplots import make_subplots
 from kvlab.config import EngineConfig
 from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
-from kvlab.units import MiB
+from kvlab.units import MiB, ceil_div
 from kvlab.workloads import Request
 
 PALETTE = qualitative.Plotly  # 10 colours; request id r is drawn in PALETTE[r % 10]
@@ -118,7 +116,7 @@ class BlockMapExplorer(_App):
             )
         self.stats = engine.stats()
         self.num_blocks, self.per_row = len(self.maps[0]), min(blocks_per_row, len(self.maps[0]))
-        self.rows = math.ceil(self.num_blocks / self.per_row)
+        self.rows = ceil_div(self.num_blocks, self.per_row)
         busiest = int(self.stats["blocks_used"].idxmax()) + 1
         self.slider = self.control = widgets.IntSlider(
             value=busiest, min=1, max=len(self.maps), description="step"

@@ -26,7 +26,7 @@ from kvlab.engine.engine import Engine
 from kvlab.engine.scheduler import Event
 from kvlab.experiments import stress
 from kvlab.model.loading import LoadedModel
-from kvlab.units import MiB
+from kvlab.units import MiB, ceil_div
 
 STATE_COLORS = {
     "waiting": "#c7c7c7",
@@ -322,9 +322,9 @@ class StressExplorer:
         # One request alone must fit (the engine rejects it otherwise), with a block to spare;
         # the most: everything the largest burst could ever hold.
         need = max(len(probe.encode(r.prompt)) for r in largest) + max_new_tokens
-        low = block_size * (-(-need // block_size) + 1)
+        low = block_size * (ceil_div(need, block_size) + 1)
         high = block_size * sum(
-            -(-(len(probe.encode(r.prompt)) + max_new_tokens) // block_size) for r in largest
+            ceil_div(len(probe.encode(r.prompt)) + max_new_tokens, block_size) for r in largest
         )
         self.budget = widgets.IntSlider(
             value=min(max(budget_tokens, low), high),
