@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,13 +44,8 @@ def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, model) -> kvlab.LoadedModel:
-    """A 2-layer random Llama with the embedded tokenizer: fast enough for property tests.
-
-    Its weights are drawn wide (initializer_range=0.3, not HF's 0.02), so it attends
-    sharply and its greedy tokens depend on every K/V it reads: an engine that restores
-    zeros or reads a wrong slot changes its outputs (tests/test_mutations.py checks it).
-    """
+def tiny_model_path(tmp_path_factory, model) -> Path:
+    """The directory of the tiny model (`tiny_model`): a checkpoint `load_model` reads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(2)
@@ -66,4 +63,15 @@ def tiny_model(tmp_path_factory, model) -> kvlab.LoadedModel:
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
     model.tokenizer.save_pretrained(path)
-    return kvlab.load_model(path, device="cpu", progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path) -> kvlab.LoadedModel:
+    """A 2-layer random Llama with the embedded tokenizer: fast enough for property tests.
+
+    Its weights are drawn wide (initializer_range=0.3, not HF's 0.02), so it attends
+    sharply and its greedy tokens depend on every K/V it reads: an engine that restores
+    zeros or reads a wrong slot changes its outputs (tests/test_mutations.py checks it).
+    """
+    return kvlab.load_model(tiny_model_path, device="cpu", progress=False)
