@@ -105,3 +105,23 @@ def test_fork_vs_separate_saves_blocks(model, prompts):
     assert fork["copy-on-write copies"] == 2 and separate["copy-on-write copies"] == 0
     fig = viz.blocks_figure(stats, "test")
     assert [len(t.x) for t in fig.data] == [len(s) for s in stats.values()]
+
+
+def test_index_savings_against_no_sharing(tiny_model, prompts):
+    rows = sharing.index_savings(tiny_model, prompts[:3], max_new_tokens=2, max_model_len=128)
+    off, hashed, radix = rows[None], rows["hash"], rows["radix"]
+    assert "computed reduction" not in off and off["tokens computed"] == off["prompt tokens"]
+    # Request 0 is prefilled alone; 1 and 2 reuse its two full blocks of the 37 shared tokens.
+    assert hashed["tokens computed"] == off["prompt tokens"] - 2 * 32
+    assert hashed["computed reduction"] == round(2 * 32 / off["prompt tokens"], 4)
+    assert radix["tokens computed"] < hashed["tokens computed"]  # also the partial block's run
+    assert hashed["identical outputs"] is True and radix["identical outputs"] is True
+    again, _ = sharing.measure_sharing(tiny_model, prompts[:3], "hash", 16, 2, 128)
+    assert again == {k: v for k, v in hashed.items() if k in again} and len(again) == 7
+
+
+def test_warm_vs_cold_hits_the_shared_blocks(tiny_model, prompts):
+    ttft = sharing.warm_vs_cold(tiny_model, prompts[:2], max_model_len=128)
+    assert ttft["warm_hit_tokens"] == 32  # two full blocks of the 37 shared tokens
+    assert ttft["cold_s"] > 0 and ttft["warm_s"] > 0
+    assert ttft["warm_over_cold"] == pytest.approx(ttft["warm_s"] / ttft["cold_s"], rel=0.05)

@@ -4,7 +4,10 @@
   prefix (one after another, or one first and the rest while it decodes).
 - `index_hits`: prompt tokens each prefix index serves from the cache, per block size.
 - `measure_sharing`, `sharing_table`: prompt tokens computed, hit rate and peak KV blocks as
-  more requests share one preamble, with and without sharing.
+  more requests share one preamble, with and without sharing; `index_savings`: each
+  prefix index against no sharing, outputs compared.
+- `warm_vs_cold`: time to first token of a request whose prefix is cached, and of one
+  whose prefix is not.
 - `fork_vs_separate`: n > 1 sampling with copy-on-write forks against n separate requests.
 """
 
@@ -127,9 +130,10 @@ def measure_sharing(
     block_size: int = 16,
     max_new_tokens: int = 4,
     max_model_len: int = 1024,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], list[RequestOutput]]:
     """Serve `prompts` (first alone, the rest while it decodes) and count what it cost:
-    prompt tokens, tokens computed, hit rate and peak blocks / MiB of KV held."""
+    prompt tokens, tokens computed, hit rate and peak blocks / MiB of KV held. Returns
+    that row and the run's outputs."""
     per_request = ceil_div(max_model_len, block_size)
     config = EngineConfig(
         cache="paged",
@@ -144,7 +148,7 @@ def measure_sharing(
     stats = engine.stats()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     hits = sum(o.metrics.prefix_hit_tokens for o in outputs)
-    return {
+    row = {
         "requests": len(prompts),
         "block size": block_size,
         "prompt tokens": prompt_tokens,
@@ -152,6 +156,65 @@ def measure_sharing(
         "hit rate %": round(100 * hits / prompt_tokens, 1),
         "peak blocks": int(stats["blocks_used"].max()),
         "peak KV MiB": round(float(stats["reserved_bytes"].max()) / MiB, 1),
+    }
+    return row, outputs
+
+
+def index_savings(
+    model: LoadedModel,
+    prompts: Seq[Prompt],
+    kinds: Seq[str] = ("hash", "radix"),
+    block_size: int = 16,
+    max_new_tokens: int = 4,
+    max_model_len: int = 1024,
+) -> dict[str | None, dict[str, float]]:
+    """`measure_sharing` without sharing (key None) and under each prefix index in `kinds`.
+
+    Each index's row adds "computed reduction" (1 - its tokens computed / the tokens
+    computed without sharing) and "identical outputs" (its greedy tokens equal those of
+    the run without sharing, request by request).
+    """
+    args = (block_size, max_new_tokens, max_model_len)
+    base, expected = measure_sharing(model, prompts, None, *args)
+    rows: dict[str | None, dict[str, float]] = {None: base}
+    for kind in kinds:
+        row, outputs = measure_sharing(model, prompts, kind, *args)
+        row["computed reduction"] = round(1 - row["tokens computed"] / base["tokens computed"], 4)
+        row["identical outputs"] = [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        rows[kind] = row
+    return rows
+
+
+def warm_vs_cold(
+    model: LoadedModel,
+    prompts: Seq[Prompt],
+    prefix_caching: str = "hash",
+    block_size: int = 16,
+    max_model_len: int = 1024,
+) -> dict[str, float]:
+    """Time to first token of `prompts[0]` on an empty prefix cache (cold), then of
+    `prompts[1]`, which shares its prefix (warm); one request at a time, one token each.
+
+    An untimed request on a separate engine goes first, so the cold one pays for the
+    empty cache only, not for the model's first call. Seconds (this machine's), and the
+    warm request's prefix_hit_tokens (deterministic).
+    """
+    config = EngineConfig(
+        cache="paged",
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        max_model_len=max_model_len,
+        kv_budget_tokens=2 * ceil_div(max_model_len, block_size) * block_size,
+    )
+    params = SamplingParams(max_new_tokens=1)
+    serve(Engine(model, config), prompts[0], params)  # warm-up
+    engine = Engine(model, config)
+    cold, warm = (serve(engine, p, params).metrics for p in prompts[:2])
+    return {
+        "cold_s": round(cold.ttft_s, 4),
+        "warm_s": round(warm.ttft_s, 4),
+        "warm_over_cold": round(warm.ttft_s / cold.ttft_s, 3),
+        "warm_hit_tokens": warm.prefix_hit_tokens,
     }
 
 
@@ -164,7 +227,7 @@ def sharing_table(
 ) -> pd.DataFrame:
     """measure_sharing with and without sharing for the first n prompts, n in `counts`."""
     rows = [
-        {"mode": mode, **measure_sharing(model, prompts[:n], kind, block_size, max_new_tokens)}
+        {"mode": mode, **measure_sharing(model, prompts[:n], kind, block_size, max_new_tokens)[0]}
         for n in counts
         for mode, kind in MODES.items()
     ]

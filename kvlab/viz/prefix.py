@@ -184,7 +184,7 @@ class SharingExplorer:
         for mode, kind in MODES.items():
             key = (mode, block_size, n)
             if key not in self.results:
-                self.results[key] = measure_sharing(
+                self.results[key], _ = measure_sharing(
                     self.model, self.prompts[:n], kind, block_size, self.max_new_tokens
                 )
 
