@@ -212,6 +212,12 @@ def test_chunked_prefill_keeps_decodes_flowing(tiny_model):
     assert [t.name for t in fig.data] == ["whole", "chunked"]
 
 
+def test_gap_percentiles_show_the_stall():
+    gaps = pd.DataFrame({"gap_s": [0.1] * 19 + [5.0]})  # one stalled step in twenty
+    summary = stress.gap_percentiles(gaps)
+    assert summary == {"tpot_p50_s": 0.1, "tpot_p95_s": 0.345, "tpot_max_s": 5.0}
+
+
 def test_static_batching_takes_more_steps_than_continuous(tiny_model):
     requests = stress.alternating(stress.burst(6), [2, 12])
     assert [r.max_new_tokens for r in requests] == [2, 12] * 3

@@ -6,8 +6,8 @@
   of requests served with a fraction of the KV memory it needs.
 - `preemption_cost`: what one preemption costs, swap against recompute, by victim length.
 - `percentiles`, `serve_batching`: static against continuous batching.
-- `long_prompt_arrives`, `decode_gaps`: running decodes while a long prompt comes in, with
-  and without chunked prefill.
+- `long_prompt_arrives`, `decode_gaps`, `gap_percentiles`: running decodes while a long
+  prompt comes in, with and without chunked prefill.
 
 Everything counted in tokens, blocks or bytes is deterministic for greedy `ignore_eos`
 runs; anything in seconds is a measurement of this machine.
@@ -299,3 +299,15 @@ def decode_gaps(stats: pd.DataFrame) -> pd.DataFrame:
     emits = stats[(stats["phase"] != "prefill") | (stats.index == first)]
     gaps = emits.assign(gap_s=emits["time_s"].diff()).iloc[1:]
     return gaps[["step", "phase", "tokens", "step_s", "gap_s"]].reset_index(drop=True)
+
+
+def gap_percentiles(gaps: pd.DataFrame) -> dict[str, float]:
+    """The decode streams' time per output token from `decode_gaps`: its median, p95 and
+    maximum gap_s, in seconds ("tpot_p50_s", "tpot_p95_s", "tpot_max_s"). A stall (a whole
+    long prefill between two decode steps) shows in the maximum."""
+    seconds = gaps["gap_s"].to_numpy()
+    return {
+        "tpot_p50_s": round(float(np.percentile(seconds, 50)), 4),
+        "tpot_p95_s": round(float(np.percentile(seconds, 95)), 4),
+        "tpot_max_s": round(float(seconds.max()), 4),
+    }
