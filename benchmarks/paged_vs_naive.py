@@ -1,92 +1,87 @@
-"""Issue figures for the paged cache, measured on the doc-QA workload at one KV budget.
+"""The paged cache against the naive one, at one KV budget (kvlab.experiments.compare).
 
     python benchmarks/paged_vs_naive.py [--requests 32] [--equality-requests 6]
+    python benchmarks/paged_vs_naive.py --quick --model PATH   # 6 chat requests, seconds
 
 Prints JSON: KV waste and peak concurrent sequences for the naive cache (reserving the
-model's max context, 8192) and the paged cache (block size 16) on the same workload and
-budget; and whether greedy outputs are identical across naive, paged (block sizes 1, 16,
-64) and HF `generate` on a subset.
+model's max context, 8192 for the embedded model) and the paged cache (block size 16) on
+the doc-QA workload and a budget of four max-context sequences; and whether greedy outputs
+are identical across naive, paged (block sizes 1, 16, 64) and HF `generate` on a subset.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import time
-
-import torch
-
-import kvlab
 from kvlab import workloads
+from kvlab.experiments.compare import compare
+from kvlab.experiments.configs import model_bytes_per_token
 from kvlab.experiments.peers import hf_generate
+from kvlab.experiments.scripts import load, machine, report, script_parser
 
-BUDGET_TOKENS = 4 * 8192
-
-
-def serve(model, requests, **config):
-    engine = kvlab.Engine(model, kvlab.EngineConfig(kv_budget_tokens=BUDGET_TOKENS, **config))
-    start = time.perf_counter()
-    outputs = engine.run(requests, ignore_eos=True, progress=True)
-    wall = time.perf_counter() - start
-    stats = engine.stats()
-    peak = stats.loc[stats["reserved_bytes"].idxmax()]
-    return outputs, {
-        "peak_concurrent": int(stats["running"].max()),
-        "waste_frac_mean": round(stats["waste_bytes"].sum() / stats["reserved_bytes"].sum(), 4),
-        "waste_frac_at_peak": round(peak["waste_bytes"] / peak["reserved_bytes"], 4),
-        "steps": len(stats),
-        "wall_s": round(wall, 1),
-    }
+CACHES = {"naive": "naive", "paged16": "paged+bs16"}  # JSON name -> compare config
+EQUALITY = {
+    "naive": "naive",
+    "paged1": "paged+bs1",
+    "paged16": "paged+bs16",
+    "paged64": "paged+bs64",
+}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--equality-requests", type=int, default=6)
-    args = parser.parse_args()
-    model = kvlab.load_model()
-    requests = workloads.doc_qa(args.requests, seed=0)
+def main(argv: list[str] | None = None) -> dict:
+    parser = script_parser(__doc__)
+    parser.add_argument("--requests", type=int, help="default 32 (--quick: 6)")
+    parser.add_argument("--equality-requests", type=int, help="default 6 (--quick: 2)")
+    args = parser.parse_args(argv)
+    model = load(args)
+    n = args.requests or (6 if args.quick else 32)
+    n_equal = args.equality_requests or (2 if args.quick else 6)
+    new_tokens = 4 if args.quick else 16  # per request of the equality subset
+    if args.quick:
+        requests, workload = workloads.chat(n, max_new_tokens=(4, 12)), f"chat({n}, seed=0)"
+    else:
+        requests, workload = workloads.doc_qa(n), f"doc_qa({n}, seed=0)"
+    max_len = model.config.max_position_embeddings  # what the naive cache reserves
+    budget_tokens = 4 * max_len
+    options = dict(budget_bytes=budget_tokens * model_bytes_per_token(model), max_model_len=max_len)
 
-    result = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {model.device}",
-        "workload": f"doc_qa({args.requests}, seed=0), ignore_eos",
-        "budget_tokens": BUDGET_TOKENS,
-        "caches": {},
-    }
-    outputs = {}
-    for name, config in {
-        "naive": dict(cache="naive"),
-        "paged16": dict(cache="paged", block_size=16),
-    }.items():
-        outputs[name], result["caches"][name] = serve(model, requests, **config)
-    caches = result["caches"]
-    result["peak_ratio_paged_over_naive"] = round(
-        caches["paged16"]["peak_concurrent"] / caches["naive"]["peak_concurrent"], 2
+    runs = compare(model, requests, list(CACHES.values()), progress=not args.quick, **options)
+    caches = {}
+    for name, config in CACHES.items():
+        run = runs.runs[config]
+        caches[name] = {
+            "peak_concurrent": run.metrics["peak_concurrent"],
+            "waste_frac_mean": run.metrics["waste_frac"],
+            "waste_frac_at_peak": run.metrics["waste_frac_at_peak"],
+            "steps": len(run.stats),
+            "wall_s": run.metrics["wall_s"],
+        }
+    outputs = {name: runs.runs[config].outputs for name, config in CACHES.items()}
+
+    subset = [workloads.Request(r.prompt, new_tokens) for r in requests[:n_equal]]
+    same = compare(model, subset, list(EQUALITY.values()), **options)
+    tokens = {name: same.runs[config].outputs for name, config in EQUALITY.items()}
+    prompts = workloads.encode_requests(model, subset)
+    ids = [r.prompt for r in prompts]
+    tokens["hf-generate"] = hf_generate(model, ids, [new_tokens] * len(ids), batch_size=1).outputs
+
+    return report(
+        {
+            "machine": machine(model),
+            "model": model.name,
+            "workload": f"{workload}, ignore_eos",
+            "budget_tokens": budget_tokens,
+            "caches": caches,
+            "peak_ratio_paged_over_naive": round(
+                caches["paged16"]["peak_concurrent"] / caches["naive"]["peak_concurrent"], 2
+            ),
+            "identical_naive_paged16": outputs["naive"] == outputs["paged16"],
+            "equality_subset": {
+                "requests": len(subset),
+                "new_tokens_each": new_tokens,
+                "identical_to_naive": {k: v == tokens["naive"] for k, v in tokens.items()},
+            },
+        },
+        args.out,
     )
-    result["identical_naive_paged16"] = [o.token_ids for o in outputs["naive"]] == [
-        o.token_ids for o in outputs["paged16"]
-    ]
-
-    subset = [workloads.Request(r.prompt, 16) for r in requests[: args.equality_requests]]
-    tokens = {}
-    for name, config in {
-        "naive": dict(cache="naive"),
-        "paged1": dict(cache="paged", block_size=1),
-        "paged16": dict(cache="paged", block_size=16),
-        "paged64": dict(cache="paged", block_size=64),
-    }.items():
-        outs, _ = serve(model, subset, **config)
-        tokens[name] = [o.token_ids for o in outs]
-    prompt_ids = [o.prompt_token_ids for o in outs]
-    hf = [hf_generate(model, [p], [16], batch_size=1).outputs[0] for p in prompt_ids]
-    tokens["hf-generate"] = hf
-    result["equality_subset"] = {
-        "requests": len(subset),
-        "new_tokens_each": 16,
-        "identical_to_naive": {k: v == tokens["naive"] for k, v in tokens.items()},
-    }
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

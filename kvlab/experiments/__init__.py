@@ -10,4 +10,5 @@ sharing.py         prefix sharing, hash vs radix, n > 1 forks
 quality.py         what a KV codec costs (perplexity, agreement) and buys (capacity)
 why_cache.py       decoding with and without a KV cache
 capacity_check.py  the planner's prediction against a live run
+scripts.py         what the command lines in benchmarks/ share (options, JSON output)
 """

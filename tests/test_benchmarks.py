@@ -1,0 +1,99 @@
+"""The scripts in benchmarks/, each run in its --quick mode on the tiny model.
+
+Each script's `main(argv)` returns the JSON it prints; the checks are on what is
+deterministic (counts, blocks, token equality), never on timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str) -> ModuleType:
+    """benchmarks/<name>.py, imported (not run)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, model_path: Path, *extra: str) -> dict:
+    """Run benchmarks/<name>.py's main with --quick on `model_path`."""
+    return load_script(name).main(["--quick", "--model", str(model_path), *extra])
+
+
+def test_paged_vs_naive(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "paged_vs_naive.json"
+    result = run_script("paged_vs_naive", tiny_model_path, "--out", str(out))
+    assert json.loads(capsys.readouterr().out) == result == json.loads(out.read_text())
+    assert set(result) == {
+        "machine", "model", "workload", "budget_tokens", "caches",
+        "peak_ratio_paged_over_naive", "identical_naive_paged16", "equality_subset",
+    }  # fmt: skip
+    naive, paged = result["caches"]["naive"], result["caches"]["paged16"]
+    # The budget holds four max-context (1024-token) naive sequences; the six short
+    # chat requests all fit in paged blocks at once.
+    assert result["budget_tokens"] == 4 * 1024
+    assert naive["peak_concurrent"] == 4 and paged["peak_concurrent"] == 6
+    assert result["peak_ratio_paged_over_naive"] == 1.5
+    assert naive["waste_frac_mean"] > 0.9 > 0.2 > paged["waste_frac_mean"] > 0
+    assert naive["steps"] > paged["steps"]  # two waves against one
+    assert result["identical_naive_paged16"] is True
+    subset = result["equality_subset"]
+    assert subset["requests"] == 2 and subset["new_tokens_each"] == 4
+    assert subset["identical_to_naive"] == dict.fromkeys(
+        ["naive", "paged1", "paged16", "paged64", "hf-generate"], True
+    )
+
+
+def test_prefix_sharing(tiny_model_path):
+    result = run_script("prefix_sharing", tiny_model_path)
+    off, hashed, radix = (result[f"prefix_caching={k}"] for k in (None, "hash", "radix"))
+    assert off == {**off, "prompt_tokens_computed": off["prompt_tokens"]}
+    assert set(off) == {"prompt_tokens", "prompt_tokens_computed", "peak_blocks"}
+    for on in (hashed, radix):
+        assert on["prompt_tokens"] == off["prompt_tokens"]
+        assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
+        expected = 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"]
+        assert on["computed_reduction"] == pytest.approx(expected, abs=1e-4)
+        assert on["computed_reduction"] > 0.3  # 2 of 3 requests reuse the ~300-token preamble
+        assert on["peak_blocks"] < off["peak_blocks"]
+        assert on["identical_outputs"] is True
+    # Radix also copies the matching run of a partly filled block; hash shares full blocks.
+    assert radix["prompt_tokens_computed"] <= hashed["prompt_tokens_computed"]
+    ttft = result["ttft"]
+    assert ttft["warm_hit_tokens"] >= 256 and ttft["warm_hit_tokens"] % 16 == 0
+    assert ttft["cold_s"] > 0 and ttft["warm_s"] > 0
+    forks = result["n4_sampling_peak_blocks"]
+    assert forks["copy_on_write"] < forks["four_copies"]
+    assert forks["saved_frac"] > 0.5  # one prompt + 4 tails against 4 prompts
+    assert forks["same_samples"] is True
+
+
+def test_scheduler_pressure(tiny_model_path):
+    result = run_script("scheduler_pressure", tiny_model_path)
+    over = result["oversubscription_4x"]
+    assert 0 < over["budget_tokens"] <= over["total_demand_tokens"] / 4
+    for mode in ("recompute", "swap"):
+        run = over[mode]
+        assert run["completed"] == run["requests"] == 8 and run["errors"] == 0
+        assert run["preemptions"] > 0
+        assert run["identical_to_unpressured"] is True
+        assert run["budget_free_at_end"] is True and run["blocks_held_at_end"] == 0
+    assert over["recompute"]["recomputed_tokens"] > 0 == over["recompute"]["swapped_bytes"]
+    assert over["swap"]["swapped_bytes"] > 0 == over["swap"]["recomputed_tokens"]
+    batching = result["static_vs_continuous"]
+    assert batching["static"] > 0 and batching["continuous"] > 0
+    ratio = batching["continuous"] / batching["static"]
+    assert batching["ratio_continuous_over_static"] == pytest.approx(ratio, abs=1e-3)
+    for run in result["chunked_prefill_decode_tpot"].values():
+        assert 0 < run["tpot_p50_s"] <= run["tpot_p95_s"] <= run["tpot_max_s"]
