@@ -23,7 +23,7 @@ from kvlab.config import EngineConfig, SamplingParams
 from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
 from kvlab.model.loading import LoadedModel
-from kvlab.units import MiB, ceil_div
+from kvlab.units import MiB, round_up
 
 MODES = {"with sharing": "hash", "without sharing": None}
 
@@ -35,6 +35,20 @@ def preamble_prompts(n: int) -> list[str]:
     return [
         f"{texts.preamble()}\n\nQuestion {i + 1}: {questions[i % len(questions)]}" for i in range(n)
     ]
+
+
+def paged_config(
+    block_size: int, max_model_len: int, sequences: int, prefix_caching: str | None = None
+) -> EngineConfig:
+    """A paged engine's config whose KV budget holds `sequences` sequences of
+    max_model_len tokens (in whole blocks), so these experiments never preempt."""
+    return EngineConfig(
+        cache="paged",
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        max_model_len=max_model_len,
+        kv_budget_tokens=sequences * round_up(max_model_len, block_size),
+    )
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -103,14 +117,7 @@ def index_hits(
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     for block_size in block_sizes:
         for kind in kinds:
-            config = EngineConfig(
-                cache="paged",
-                block_size=block_size,
-                prefix_caching=kind,
-                max_model_len=max_model_len,
-                kv_budget_tokens=4 * max_model_len,
-            )
-            engine = Engine(model, config)
+            engine = Engine(model, paged_config(block_size, max_model_len, 4, kind))
             if "prompt tokens" not in frame:
                 ids = [engine.encode(p) for p in prompts]
                 frame["prompt tokens"] = [len(i) for i in ids]
@@ -134,15 +141,7 @@ def measure_sharing(
     """Serve `prompts` (first alone, the rest while it decodes) and count what it cost:
     prompt tokens, tokens computed, hit rate and peak blocks / MiB of KV held. Returns
     that row and the run's outputs."""
-    per_request = ceil_div(max_model_len, block_size)
-    config = EngineConfig(
-        cache="paged",
-        block_size=block_size,
-        prefix_caching=prefix_caching,
-        max_model_len=max_model_len,
-        kv_budget_tokens=per_request * block_size * len(prompts),
-    )
-    engine = Engine(model, config)
+    engine = Engine(model, paged_config(block_size, max_model_len, len(prompts), prefix_caching))
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     outputs = serve_sharing(engine, prompts, params)
     stats = engine.stats()
@@ -199,13 +198,7 @@ def warm_vs_cold(
     empty cache only, not for the model's first call. Seconds (this machine's), and the
     warm request's prefix_hit_tokens (deterministic).
     """
-    config = EngineConfig(
-        cache="paged",
-        block_size=block_size,
-        prefix_caching=prefix_caching,
-        max_model_len=max_model_len,
-        kv_budget_tokens=2 * ceil_div(max_model_len, block_size) * block_size,
-    )
+    config = paged_config(block_size, max_model_len, 2, prefix_caching)
     params = SamplingParams(max_new_tokens=1)
     serve(Engine(model, config), prompts[0], params)  # warm-up
     engine = Engine(model, config)
@@ -245,13 +238,7 @@ def fork_vs_separate(
     whose samples fork with copy-on-write, and n separate requests (seeds seed + i, which
     are the seeds the forks use). Returns a summary per way and each run's step stats."""
     n = params.n
-    per_request = ceil_div(max_model_len, block_size)
-    config = EngineConfig(
-        cache="paged",
-        block_size=block_size,
-        max_model_len=max_model_len,
-        kv_budget_tokens=per_request * block_size * n,
-    )
+    config = paged_config(block_size, max_model_len, n)
     seeds = [None if params.seed is None else params.seed + i for i in range(n)]
     runs = {
         f"n={n}, copy-on-write": [params],
