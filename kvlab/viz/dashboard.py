@@ -20,6 +20,7 @@ from kvlab.experiments.compare import Comparison, compare
 from kvlab.experiments.configs import DEFAULT_CONFIGS
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB
+from kvlab.viz.app import App
 from kvlab.viz.compare import add_capacity, add_latency, add_memory, add_throughput
 from kvlab.workloads import WORKLOADS, load_workload
 
@@ -49,7 +50,7 @@ PANELS = (
 )
 
 
-class Dashboard:
+class Dashboard(App):
     """Workload, size, budget and configs in; memory, throughput and latency out.
 
     Args:
@@ -162,8 +163,3 @@ class Dashboard:
     def widget(self) -> widgets.Widget:
         controls = widgets.VBox([self.workload, self.n, self.budget, self.run_button])
         return widgets.VBox([widgets.HBox([controls, self.configs]), self.status, self.figure])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())

@@ -12,25 +12,11 @@ from kvlab.config import EngineConfig
 from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB, ceil_div
+from kvlab.viz.app import App
 from kvlab.workloads import Request
 
 PALETTE = qualitative.Plotly  # 10 colours; request id r is drawn in PALETTE[r % 10]
 BLOCK_SIZES = (1, 4, 8, 16, 32, 64, 128)
-
-
-class _App:
-    """A control above a FigureWidget; displaying the object displays both."""
-
-    control: widgets.Widget
-    figure: go.FigureWidget
-
-    def widget(self) -> widgets.Widget:
-        return widgets.VBox([self.control, self.figure])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())
 
 
 def _busy(stats: pd.DataFrame) -> pd.DataFrame:
@@ -103,7 +89,7 @@ def memory_panels(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go
     return fig
 
 
-class BlockMapExplorer(_App):
+class BlockMapExplorer(App):
     """The physical KV blocks as a grid, coloured by the request owning each (blank =
     free), with a slider over engine steps. Needs an engine run with record_block_map=True."""
 
@@ -168,7 +154,7 @@ class BlockMapExplorer(_App):
             )
 
 
-class BlockSizeExplorer(_App):
+class BlockSizeExplorer(App):
     """Pick a block size: the paged engine serves `requests` live at that size and the
     figure gains a point for tail waste % and block-table entries per sequence, so the
     sizes measured so far show the trade-off (small blocks: little waste, long tables)."""

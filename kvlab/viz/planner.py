@@ -23,6 +23,7 @@ from kvlab.planner import (
     plan,
 )
 from kvlab.units import GiB
+from kvlab.viz.app import App
 
 CONTEXTS = tuple(2**k for k in range(7, 18))  # 128 .. 131072 tokens
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -30,7 +31,7 @@ PANELS = ("max concurrent sequences", "memory for the users at this context")
 COLORS = {"paged": "#636efa", "naive": "#ef553b", "paged_mha": "#00cc96"}
 
 
-class PlannerApp:
+class PlannerApp(App):
     """Widgets for model, memory, dtypes, context, block size and users; two live panels."""
 
     def __init__(
@@ -160,8 +161,3 @@ class PlannerApp:
                 self.summary,
             ]
         )
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())

@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 from kvlab.engine.engine import Prompt
 from kvlab.experiments.sharing import MODES, measure_sharing
 from kvlab.model.loading import LoadedModel
+from kvlab.viz.app import App
 
 PALETTE = qualitative.Plotly
 SHARED_COLOR = "#d62728"  # pages referenced by more than one block table
@@ -150,7 +151,7 @@ def sharing_figure(frame: pd.DataFrame) -> go.Figure:
     return fig
 
 
-class SharingExplorer:
+class SharingExplorer(App):
     """A slider for how many requests share the preamble and a dropdown for the block
     size: each new setting is served live with and without prefix sharing (once; results
     are kept) and the figure redraws every count measured at the current block size."""
@@ -226,11 +227,6 @@ class SharingExplorer:
 
     def widget(self) -> widgets.Widget:
         return widgets.VBox([widgets.HBox([self.requests, self.block_size]), self.figure])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())
 
 
 def blocks_figure(stats_by_name: dict[str, pd.DataFrame], title: str) -> go.Figure:

@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 from kvlab.cache.codecs import CODECS
 from kvlab.experiments.quality import roundtrip
 from kvlab.units import MiB
+from kvlab.viz.app import App
 
 
 def histogram(x: torch.Tensor, bins: int = 80) -> tuple[list[float], list[float]]:
@@ -25,7 +26,7 @@ def histogram(x: torch.Tensor, bins: int = 80) -> tuple[list[float], list[float]
     return ((edges[:-1] + edges[1:]) / 2).tolist(), counts.tolist()
 
 
-class CodecExplorer:
+class CodecExplorer(App):
     """Pick a codec and a layer: histograms of that layer's real K and V values, and of the
     codec's error on them (written through a KVPool with that codec and read back).
 
@@ -73,11 +74,6 @@ class CodecExplorer:
 
     def widget(self) -> widgets.Widget:
         return widgets.VBox([widgets.HBox([self.codec, self.layer]), self.summary, self.figure])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())
 
 
 def layer_histograms(k: torch.Tensor, v: torch.Tensor, bins: int = 60) -> go.Figure:

@@ -27,6 +27,7 @@ from kvlab.engine.scheduler import Event
 from kvlab.experiments import stress
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB, ceil_div
+from kvlab.viz.app import App
 
 STATE_COLORS = {
     "waiting": "#c7c7c7",
@@ -291,7 +292,7 @@ def gaps_figure(gaps_by_name: dict[str, pd.DataFrame]) -> go.Figure:
     return fig
 
 
-class StressExplorer:
+class StressExplorer(App):
     """Controls for the KV budget, the burst size and the preemption policy above a
     pressure figure; every change serves a fresh burst live and redraws the figure.
 
@@ -360,11 +361,3 @@ class StressExplorer:
     def refresh(self) -> None:
         """Serve the burst with the controls' values and redraw."""
         update_pressure_figure(self.figure, self._serve(), self.x)
-
-    def widget(self) -> widgets.Widget:
-        return widgets.VBox([self.control, self.figure])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())

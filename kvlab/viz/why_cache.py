@@ -7,11 +7,12 @@ import plotly.graph_objects as go
 
 from kvlab.experiments.why_cache import compare_decoding
 from kvlab.model.runner import ModelRunner
+from kvlab.viz.app import App
 
 MODES = ("no cache", "KV cache")
 
 
-class CacheLatencyExplorer:
+class CacheLatencyExplorer(App):
     """A slider for the prompt length and one for new tokens; moving either re-runs both
     decoders on the real model and redraws latency per token against position."""
 
@@ -60,8 +61,3 @@ class CacheLatencyExplorer:
 
     def widget(self) -> widgets.Widget:
         return widgets.VBox([widgets.HBox([self.prompt_len, self.new_tokens]), self.figure])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget())
