@@ -6,8 +6,12 @@ deterministic (counts, blocks, token equality), never on timings.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -97,3 +101,33 @@ def test_scheduler_pressure(tiny_model_path):
     assert batching["ratio_continuous_over_static"] == pytest.approx(ratio, abs=1e-3)
     for run in result["chunked_prefill_decode_tpot"].values():
         assert 0 < run["tpot_p50_s"] <= run["tpot_p95_s"] <= run["tpot_max_s"]
+
+
+def test_bench_vs_hf_quick(tiny_model_path, tmp_path, capsys):
+    saved = tmp_path / "bench.json"
+    argv = ["--quick", "--model", str(tiny_model_path), "--json", "--save", str(saved)]
+    assert load_script("bench_vs_hf").main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert list(result["systems"]) == ["kvlab", "hf-generate", "hf-generate-batch"]
+    # --quick: 2 uniform chat prompts x 4 new tokens, ignore_eos, on every system
+    assert all(row["output_tokens"] == 8 for row in result["systems"].values())
+    full = json.loads(saved.read_text())
+    assert full["workload"].endswith("uniform_chat_2x4.jsonl")
+    assert full["details"]["kvlab"]["walls_s"] and len(full["details"]["kvlab"]["walls_s"]) == 1
+    assert set(full["meta"]["greedy_match_to_first_eos"].values()) == {1.0}
+
+
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_explains_itself(name):
+    """`python benchmarks/<name>.py --help` prints the script's docstring and its options."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, f"benchmarks/{name}.py", "--help"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Read, not imported: importing gpu_check on CPU sets TRITON_INTERPRET for the session.
+    source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+    first = ast.get_docstring(ast.parse(source)).splitlines()[0]
+    assert first in done.stdout and "--quick" in done.stdout
