@@ -103,6 +103,27 @@ def test_scheduler_pressure(tiny_model_path):
         assert 0 < run["tpot_p50_s"] <= run["tpot_p95_s"] <= run["tpot_max_s"]
 
 
+def test_gpu_check_quick(tiny_model_path, tmp_path):
+    """The GPU check's CPU smoke run (Triton interpreter, tiny shapes) in its own process:
+    it sets TRITON_INTERPRET before importing triton. About a minute on a quiet 2-core
+    machine; the timeout only guards against a hang."""
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "benchmarks/gpu_check.py", "--quick", "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--model", str(tiny_model_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for section in ("copy_bandwidth", "correctness", "tuning", "bandwidth", "engine_vs_hf"):
+        part = report[section]  # a dict or a list of rows; {"error": ...} when it failed
+        assert not (isinstance(part, dict) and "error" in part), part
+    assert report["headline"]["all_correct"] is True
+    assert report["engine_vs_hf"]["model"] == f"{tiny_model_path} (real weights)"
+    assert all(v > 0 for v in report["headline"]["engine_vs_hf_tok_s"].values())
+
+
 def test_bench_vs_hf_quick(tiny_model_path, tmp_path, capsys):
     saved = tmp_path / "bench.json"
     argv = ["--quick", "--model", str(tiny_model_path), "--json", "--save", str(saved)]
@@ -131,3 +152,33 @@ def test_every_script_explains_itself(name):
     source = (ROOT / "benchmarks" / f"{name}.py").read_text()
     first = ast.get_docstring(ast.parse(source)).splitlines()[0]
     assert first in done.stdout and "--quick" in done.stdout
+
+
+# Imports refused in the next test: what a bare GPU image (torch, triton, transformers) lacks.
+BARE_GPU = """
+import importlib.abc, runpy, sys
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"pandas", "tqdm", "plotly", "ipywidgets", "hypothesis"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+script = runpy.run_path("benchmarks/gpu_check.py", run_name="gpu_check")
+script["load_kernels"]()
+from kvlab.experiments.gpu_check import headline
+from kvlab.experiments.kernel_check import correctness
+print(headline({"correctness": correctness(quick=True)})["all_correct"])
+"""
+
+
+def test_gpu_check_kernels_need_only_torch_and_triton():
+    """The kernel parts of the GPU check import and run (CPU: Triton's interpreter) where
+    kvlab's other dependencies are missing."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", BARE_GPU], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "True"

@@ -10,5 +10,7 @@ sharing.py         prefix sharing, hash vs radix, n > 1 forks
 quality.py         what a KV codec costs (perplexity, agreement) and buys (capacity)
 why_cache.py       decoding with and without a KV cache
 capacity_check.py  the planner's prediction against a live run
+kernel_check.py    the Triton kernels against their references, and their bandwidth
+gpu_check.py       the GPU check's report: kernel_check and the engine against HF generate
 scripts.py         what the command lines in benchmarks/ share (options, JSON output)
 """
