@@ -16,6 +16,10 @@
 # %% [markdown]
 # # 01 · Why a KV cache
 #
+# *Engine files shown here:* `kvlab/engine/engine.py` (the step loop), `kvlab/model/runner.py`
+# (the forward that writes and reads K/V), `kvlab/cache/naive.py`,
+# `kvlab/experiments/why_cache.py`.
+#
 # A language model writes one token at a time, and every new token attends to **all** the
 # tokens before it. This notebook shows, on a real model (SmolLM2-135M-Instruct, running
 # through kvlab's own forward pass), three things:

@@ -17,6 +17,10 @@
 # %% [markdown]
 # # 02 · Paged vs naive
 #
+# *Engine files shown here:* `kvlab/cache/paged.py` (block tables, admission),
+# `kvlab/cache/allocator.py` (free list, ref counts), `kvlab/cache/naive.py`,
+# `kvlab/model/metadata.py` (slot mapping), `kvlab/viz/paged.py`.
+#
 # Notebook 01 ended with the naive cache: every request reserves a buffer for the longest
 # sequence it could ever reach (`max_model_len`), and most of that buffer is never written.
 # This notebook serves **the same document-QA workload with the same KV budget** through

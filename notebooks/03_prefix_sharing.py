@@ -16,6 +16,10 @@
 # %% [markdown]
 # # 03 · Prefix sharing
 #
+# *Engine files shown here:* `kvlab/cache/prefix/hash.py`, `kvlab/cache/prefix/radix.py`,
+# `kvlab/cache/paged.py` (publish, lookup, copy-on-write), `kvlab/cache/allocator.py` (the LRU
+# pool of cached blocks), `kvlab/experiments/sharing.py`.
+#
 # Many requests to a serving engine begin with the same text: a system prompt, a
 # few-shot preamble, a document several users ask about. With a **paged** KV cache
 # (notebook 02) each request finds its K/V through a block table, a list of physical

@@ -16,6 +16,9 @@
 # %% [markdown]
 # # 04 · Quantized KV: the bytes and the damage
 #
+# *Engine files shown here:* `kvlab/cache/codecs/` (`int8.py`, `fp8.py`, `int4.py`, `kivi2.py`,
+# `base.py`), `kvlab/cache/pool.py`, `kvlab/experiments/quality.py`.
+#
 # The KV cache stores every token's keys and values in every layer. Store them in fewer
 # bits and the same memory holds more tokens, so more requests run at once. But the
 # model then attends to *approximations* of its own keys and values. This notebook

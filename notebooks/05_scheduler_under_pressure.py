@@ -13,6 +13,9 @@
 # %% [markdown]
 # # 05 · The scheduler under pressure
 #
+# *Engine files shown here:* `kvlab/engine/scheduler.py` (admission, preemption, swap, chunked
+# prefill), `kvlab/cache/paged.py` (swap out/in), `kvlab/experiments/stress.py`.
+#
 # The paged cache of notebook 02 hands out KV blocks as tokens are written. That is what
 # lets a server admit more requests than it could hold at their worst case, and it is
 # also what can go wrong: a burst of long requests is admitted, they all keep growing,

@@ -16,6 +16,9 @@
 # %% [markdown]
 # # 06 · Kernels: paged decode attention, KV writes, fused dequantization
 #
+# *Engine files shown here:* `kernels/decode_attention.py`, `kernels/cache_write.py`,
+# `kernels/kv_codes.py`, `kernels/dispatch.py`, `kvlab/model/kernel_attention.py`.
+#
 # Every decode step reads **the whole KV cache** of every running sequence to produce one
 # token per sequence. That makes decode attention *memory-bound*: its speed is the speed
 # at which K and V come out of memory. Serving engines therefore write their own kernels

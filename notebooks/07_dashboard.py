@@ -13,6 +13,10 @@
 # %% [markdown]
 # # 07 · The dashboard: every design side by side
 #
+# *Engine files shown here:* `kvlab/experiments/compare.py`, `kvlab/experiments/configs.py`
+# (config names), `kvlab/experiments/bench.py`, `kvlab/experiments/peers.py`,
+# `kvlab/viz/dashboard.py`.
+#
 # The earlier notebooks each took one idea on its own: paging, prefix sharing, quantized
 # KV, scheduling. This one puts them side by side on **one workload, one model and one KV
 # budget**, and measures what each design buys:

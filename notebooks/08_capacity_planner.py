@@ -13,6 +13,9 @@
 # %% [markdown]
 # # 08 · Capacity planner
 #
+# *Engine files shown here:* `kvlab/planner/plan.py`, `kvlab/planner/shape.py`,
+# `kvlab/experiments/capacity_check.py`.
+#
 # How many users can one accelerator serve? Before renting a GPU, a serving engineer
 # works it out on paper:
 #
