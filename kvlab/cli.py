@@ -198,15 +198,10 @@ def _endpoint_args(sub: argparse.ArgumentParser) -> None:
 
 def _replay(args: argparse.Namespace, endpoint: str, model, requests):
     """A ReplayResult (kvlab.serve.replay) of the workload against one endpoint."""
-    import asyncio
+    from kvlab.serve.replay import replay_workload
 
-    from kvlab.serve.replay import replay, served_model
-    from kvlab.workloads import encode_requests
-
-    name = args.endpoint_model or served_model(endpoint)
     ignore_eos = not getattr(args, "stop_at_eos", False)
-    encoded = encode_requests(model, requests)
-    return asyncio.run(replay(endpoint, name, encoded, ignore_eos=ignore_eos))
+    return replay_workload(endpoint, model, requests, args.endpoint_model, ignore_eos)
 
 
 def _replay_endpoint(args: argparse.Namespace, model, requests) -> dict | None:

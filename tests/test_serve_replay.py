@@ -81,3 +81,20 @@ def test_kvlab_replay_needs_only_a_tokenizer(tiny_model, tmp_path, capsys):
     assert rows[1]["prefix_hits"] == 0  # no prefix caching on the second server
     page = report.read_text()
     assert "kvlab replay" in page and "KV-cache usage (its " in page and "waiting (dotted)" in page
+
+
+def test_the_dashboard_replays_its_workload_at_an_endpoint(tiny_model):
+    from kvlab.viz.dashboard import Dashboard
+
+    dash = Dashboard(tiny_model, workload="uniform-chat", n=2, max_model_len=256)
+    dash.workload_options["uniform-chat"] = {"max_new_tokens": 4}
+    assert dash.replay() is None and "type the URL" in dash.status.value
+    assert dash.replay("http://127.0.0.1:9") is None and "failed" in dash.status.value
+    config = engine_config("paged+prefix", max_model_len=256, kv_budget_tokens=2048)
+    with ServerThread(kvlab.Engine(tiny_model, config)) as server:
+        dash.endpoint.value = server.url
+        result = dash.replay()
+    assert result.summary()["requests"] == 2 and result.summary()["output_tokens"] == 8
+    (figure,) = dash.endpoint_box.children
+    assert {trace.legendgroup for trace in figure.data} == {server.url}
+    assert f"{server.url}: 2 requests, 8 output tokens" in dash.status.value

@@ -180,6 +180,28 @@ async def replay(
     return ReplayResult(url, model, list(timings), wall, before, after, samples)
 
 
+def replay_workload(
+    endpoint: str,
+    model,
+    requests: list[Request],
+    served: str | None = None,
+    ignore_eos: bool = True,
+    poll_s: float = 0.5,
+) -> ReplayResult:
+    """`replay` for callers without an event loop of their own, or inside one (a notebook):
+    encodes `requests` with `model`'s tokenizer (a kvlab LoadedModel, as an in-process run
+    would) and runs the replay on a fresh loop in a worker thread. `served`: the model name
+    the endpoint serves (default: the first at /v1/models)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvlab.workloads import encode_requests
+
+    served = served or served_model(endpoint)
+    coroutine = replay(endpoint, served, encode_requests(model, requests), ignore_eos, poll_s)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def served_model(endpoint: str) -> str:
     """The first model id the server lists at /v1/models."""
     return httpx.get(f"{endpoint.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]

@@ -4,6 +4,11 @@ Widgets pick the workload, its size, the KV budget and the configs; "Run" serves
 workload through every config live on the real model (`kvlab.experiments.compare`) and redraws
 four panels: KV memory over time (reserved vs live), throughput (with the systems of a
 saved `kvlab bench` run beside kvlab's, in grey), latency, and peak concurrency.
+
+An endpoint box takes the URL of any OpenAI-compatible server (`kvlab serve`, `vllm serve`,
+a multi-GPU vLLM deployment): "Replay" sends the same workload's token ids there and draws,
+below, the server's own /metrics as they moved (KV usage, running, waiting) and the
+latencies the client saw (`kvlab.serve.replay`).
 """
 
 from __future__ import annotations
@@ -101,6 +106,14 @@ class Dashboard(App):
         self.run_button = widgets.Button(description="Run", button_style="primary")
         self.run_button.on_click(lambda _button: self.run())
         self.status = widgets.HTML()
+        self.endpoint = widgets.Text(
+            placeholder="http://127.0.0.1:8000 (an OpenAI-compatible server)",
+            description="endpoint",
+        )
+        self.replay_button = widgets.Button(description="Replay at endpoint")
+        self.replay_button.on_click(lambda _button: self.replay())
+        self.endpoint_box = widgets.VBox()
+        self.replayed: dict = {}  # endpoint URL -> ReplayResult, every replay so far
         self.figure = go.FigureWidget(
             make_subplots(
                 rows=2,
@@ -160,6 +173,36 @@ class Dashboard(App):
             f"max_model_len {result.max_model_len}; peak concurrent: {peaks}{bench}"
         )
 
+    def replay(self, endpoint: str | None = None):
+        """Replay the workload the widgets describe against `endpoint` (default: the
+        endpoint box) and draw its /metrics and latencies beside earlier replays. Errors
+        (no server there, say) go to the status line. Returns the ReplayResult or None."""
+        from kvlab.serve.replay import replay_workload
+        from kvlab.viz.endpoint import endpoint_figure
+
+        url = (endpoint or self.endpoint.value).strip()
+        if not url:
+            self.status.value = "<b>type the URL of an OpenAI-compatible server</b>"
+            return None
+        self.status.value = f"replaying at {html.escape(url)}..."
+        try:
+            result = replay_workload(url, self.model, self.requests(), poll_s=0.2)
+        except Exception as error:  # a refused connection, a 4xx: tell, don't raise
+            self.status.value = (
+                f"<b>replay at {html.escape(url)} failed:</b> {html.escape(str(error))}"
+            )
+            return None
+        self.replayed[url] = result
+        self.endpoint_box.children = [go.FigureWidget(endpoint_figure(self.replayed))]
+        row = result.summary()
+        self.status.value = html.escape(
+            f"{url}: {row['requests']} requests, {row['output_tokens']} output tokens in "
+            f"{result.wall_s:.1f} s; prefix hit rate {row['prefix_hit_rate']}"
+        )
+        return result
+
     def widget(self) -> widgets.Widget:
         controls = widgets.VBox([self.workload, self.n, self.budget, self.run_button])
-        return widgets.VBox([widgets.HBox([controls, self.configs]), self.status, self.figure])
+        remote = widgets.HBox([self.endpoint, self.replay_button])
+        top = widgets.HBox([controls, self.configs])
+        return widgets.VBox([top, self.status, self.figure, remote, self.endpoint_box])
