@@ -50,6 +50,29 @@ def test_prefix_caching_keeps_greedy_outputs(model, shared_prompts, unshared_out
     assert engine.cache.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_requests_admitted_in_one_step_share_its_blocks(
+    model, shared_prompts, unshared_outputs, kind, chunked
+):
+    # All five arrive together and are admitted in the first step: the first computes the
+    # preamble's 6 full blocks, the other four share them in that very step (as vLLM V1).
+    engine = small_engine(
+        model,
+        cache="paged",
+        prefix_caching=kind,
+        kv_budget_tokens=2048,
+        chunked_prefill=chunked,
+        poison_freed=True,
+    )
+    outputs = engine.generate(shared_prompts, SamplingParams(max_new_tokens=10), chat=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in unshared_outputs]
+    assert [o.metrics.prefix_hit_tokens for o in outputs] == [0, 96, 96, 96, 96]
+    assert engine.stats()["prefix_hit_tokens"].iloc[0] == 4 * 96  # all in step 1
+    engine.cache.check_integrity()
+    assert engine.cache.allocator.num_used == 0
+
+
 def test_poisoned_eviction_keeps_outputs(model, shared_prompts, unshared_outputs):
     # 10 blocks: every request evicts cached blocks of earlier ones.
     engine = small_engine(

@@ -76,7 +76,7 @@ def test_reserve_admission_counts_every_sample(tiny_model):
     params = SamplingParams(max_new_tokens=20, n=3, ignore_eos=True)
     prompt = _prompt(20)  # 2 blocks of 16, the second shared and partly filled
     # Worst case: 3 blocks for the first sample, 3 - 1 shared + 1 copy for each other one.
-    engine = _engine(tiny_model, cache="paged", kv_budget_tokens=16 * 8)
+    engine = _engine(tiny_model, cache="paged", admission="reserve", kv_budget_tokens=16 * 8)
     engine.add_request(prompt, params)
     engine.add_request(_prompt(20, 5), SamplingParams(max_new_tokens=20, ignore_eos=True))
     _drain(engine)
@@ -85,7 +85,7 @@ def test_reserve_admission_counts_every_sample(tiny_model):
 
 
 def test_a_group_too_big_for_reserve_admission_is_rejected(tiny_model):
-    engine = _engine(tiny_model, cache="paged", kv_budget_tokens=16 * 6)
+    engine = _engine(tiny_model, cache="paged", admission="reserve", kv_budget_tokens=16 * 6)
     with pytest.raises(ValueError, match="n=3 needs 8 blocks .* only 6 blocks"):
         engine.add_request(_prompt(20), SamplingParams(max_new_tokens=20, n=3))
     assert not engine.has_unfinished()
@@ -181,6 +181,29 @@ def test_partial_hit_on_the_last_available_block_recomputes_instead(tiny_model):
     _drain(engine)
     assert engine.finished[-1].metrics.prefix_hit_tokens == 16
     assert engine.finished[-1].token_ids == _solo(tiny_model, second, SamplingParams(1))
+
+
+# 6b. Blocks shared in the step that computes them (issue 14: sharing as vLLM V1) ------------
+@pytest.mark.parametrize("kv_codec", [None, "fp8_e4m3"])
+def test_a_block_shared_before_it_is_computed_is_written_in_place(tiny_model, kv_codec):
+    # Shrunk from the state machine: the second request shares the first's block of token
+    # 5 in the step that computes it. Copy-on-write for the first writer would leave the
+    # shared block unwritten (NaN garbage read by the second; fp8 refuses to store it).
+    config = dict(
+        cache="paged", block_size=1, prefix_caching="radix", kv_codec=kv_codec,
+        kv_budget_tokens=96, admission="watermark", watermark=0.0,
+    )  # fmt: skip
+    engine = _engine(tiny_model, **config)
+    first, second = [5, 1], [5, *range(12, 118, 7)]
+    engine.add_request(first, SamplingParams(max_new_tokens=1))
+    engine.add_request(second, SamplingParams(max_new_tokens=1))
+    engine.step()
+    engine.cache.check_integrity()
+    assert engine.cache.copied_blocks == 0
+    _drain(engine)
+    out = {o.request_id: o for o in engine.finished}
+    assert out[1].metrics.prefix_hit_tokens == 1
+    assert out[1].token_ids == _solo(tiny_model, second, SamplingParams(1), kv_codec=kv_codec)
 
 
 # 7. Seats, token budget, phase labels, salts ------------------------------------------------

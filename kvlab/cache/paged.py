@@ -57,6 +57,10 @@ class PagedCache(KVCache):
         self.watermark_blocks = None if watermark is None else int(watermark * self.num_blocks)
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self._forget)
         self.tables: dict[int, list[int]] = {}  # request id -> block table
+        self.published: dict[int, int] = {}  # request id -> leading blocks it has indexed
+        # block -> (request id, tokens it must reach): published before its tokens are
+        # computed; its publisher writes it in place even while others share it
+        self.unwritten: dict[int, tuple[int, int]] = {}
         self.copied_blocks = 0  # copy-on-write copies made
 
     @classmethod
@@ -112,8 +116,11 @@ class PagedCache(KVCache):
         match = self.index.match(seq.prompt_ids, seq.salt)
         limit = len(seq.prompt_ids) - 1  # the last prompt token must run to give logits
         full = match.blocks[: limit // self.block_size]
-        if len(full) < len(match.blocks) or match.partial_block is None:
+        partial_source = match.partial_block
+        if len(full) < len(match.blocks) or partial_source is None:
             return PrefixMatch(full)
+        if not self._computed(partial_source):
+            return PrefixMatch(full)  # its slots are not written yet: nothing to copy
         partial = min(match.partial_tokens, limit - len(full) * self.block_size)
         partial -= partial % self.pool.codec.alignment  # grouped codes copy whole groups
         return PrefixMatch(full, match.partial_block, partial) if partial else PrefixMatch(full)
@@ -197,7 +204,11 @@ class PagedCache(KVCache):
         """The block the next write of `seq` lands in is shared: it must be copied first."""
         table = self.tables[seq.request_id]
         first = seq.num_computed // self.block_size
-        return first < len(table) and self.allocator.ref_counts[table[first]] > 1
+        if first >= len(table) or self.allocator.ref_counts[table[first]] == 1:
+            return False
+        # Others share it: they read what is there (copy it first), unless they wait for
+        # exactly what `seq` is about to write (it published the block ahead of its step).
+        return self._computed(table[first], writer=seq)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         table = self.tables[seq.request_id]
@@ -225,11 +236,44 @@ class PagedCache(KVCache):
         self.pool.copy(source * self.block_size + offsets, target * self.block_size + offsets)
 
     # --- sharing -------------------------------------------------------------------
-    def publish(self, seq: Sequence) -> None:
-        """Index the full blocks of what `seq` has computed, for later requests to reuse."""
-        if self.index is not None:
-            tokens = seq.token_ids[: seq.num_computed]
-            self.index.insert(tokens, self.tables[seq.request_id], seq.salt)
+    def publish(self, seq: Sequence, upto: int | None = None) -> None:
+        """Index the full blocks of `seq`'s first `upto` tokens (default: those computed),
+        for other requests to reuse. The scheduler publishes what a step will compute as
+        soon as it schedules it; `_release` withdraws any block whose tokens were never
+        computed (a request preempted before its step ran)."""
+        upto = seq.num_computed if upto is None else upto
+        full = upto // self.block_size
+        if self.index is None or full <= self.published.get(seq.request_id, 0):
+            return
+        table = self.tables[seq.request_id]
+        for i in range(self.published.get(seq.request_id, 0), full):
+            end = (i + 1) * self.block_size
+            if seq.num_computed < end:
+                self.unwritten[table[i]] = (seq.request_id, end)
+        self.index.insert(seq.token_ids[:upto], table[:full], seq.salt)
+        self.published[seq.request_id] = full
+
+    def _computed(self, block: int, writer: Sequence | None = None) -> bool:
+        """Whether `block`'s tokens are in the pool (False: published ahead of the step
+        that computes them). With `writer`: only if `writer` is the one to compute them."""
+        entry = self.unwritten.get(block)
+        if entry is None:
+            return True
+        owner = self.sequences.get(entry[0])
+        pending = owner is not None and owner.num_computed < entry[1]
+        if not pending:
+            del self.unwritten[block]
+        return not pending or (writer is not None and owner is not writer)
+
+    def _withdraw_uncomputed(self, seq: Sequence, table: list[int]) -> None:
+        """Unindex the published blocks of `seq` holding tokens that were never computed."""
+        for block in table[seq.num_computed // self.block_size :]:
+            if self._indexed(block):
+                require(
+                    self.allocator.ref_counts[block] == 1,
+                    f"block {block} is shared before its tokens were computed",
+                )
+                self._forget(block)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (n > 1 sampling); writes copy on demand."""
@@ -238,12 +282,14 @@ class PagedCache(KVCache):
             self.allocator.incref(block)
         self.tables[child.request_id] = table
         self.sequences[child.request_id] = child
+        self.published[child.request_id] = self.published.get(parent.request_id, 0)
 
     def _indexed(self, block: int) -> bool:
         return self.index is not None and block in self.index
 
     def _forget(self, block: int) -> None:
-        """An evicted cached block: drop it from the index, and free what hung below it."""
+        """Drop a block from the index (evicted, or never computed), and free what hung
+        below it."""
         for orphan in self.index.remove(block):
             if orphan in self.allocator.cached:
                 self.allocator.uncache(orphan)
@@ -275,7 +321,12 @@ class PagedCache(KVCache):
     # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:
         table = self.tables.pop(seq.request_id)
+        self.published.pop(seq.request_id, None)
+        for block in table:
+            if self.unwritten.get(block, (None,))[0] == seq.request_id:
+                del self.unwritten[block]
         if self.index is not None:
+            self._withdraw_uncomputed(seq, table)
             tokens = seq.token_ids[: seq.num_computed]
             sole_owner = bool(table) and self.allocator.ref_counts[table[-1]] == 1
             self.index.insert(tokens, table, seq.salt, partial=sole_owner)

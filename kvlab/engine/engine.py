@@ -210,8 +210,7 @@ class Engine:
         for row, token in zip(ready, tokens):
             seq = batch.seqs[row]
             members = [seq]
-            if seq.first_token_s is None and self.cache.shares_prefixes:
-                self.cache.publish(seq)  # its prompt blocks are now reusable by others
+            if seq.first_token_s is None:
                 members += self._fork(seq, logits[row])
             seq.output_ids.append(token)
             for member in members:

@@ -96,6 +96,7 @@ class Scheduler:
         self.preemptions = self.swapped_bytes = self.recomputed_tokens = 0
         self.batch_open = True  # static batching: admit only until the batch starts decoding
         self._admissions = 0
+        self._fresh: list[Sequence] = []  # admitted by the schedule() in progress
         self._now = 0.0
 
     # --- queues --------------------------------------------------------------------
@@ -143,7 +144,7 @@ class Scheduler:
         admitting = (self.config.batching == "continuous" or self.batch_open) and not (self.swapped)
         budget = self.config.max_num_batched_tokens
         decoding = [s for s in self._by_priority(self.running) if s.num_pending == 1]
-        admitted: list[Sequence] = []
+        admitted = self._fresh = []
         if not self.config.chunked_prefill:
             rows = self._prefills(now, budget, admitting, admitted, whole=True)
             rows = rows or self._decodes(decoding, budget)
@@ -156,6 +157,8 @@ class Scheduler:
         rows = self._secure_blocks(rows)
         if not rows:
             return None
+        for seq, n in rows:  # full blocks filled by this step (decodes, later chunks)
+            self._publish(seq, n)
         batch = Batch([s for s, _ in rows], [n for _, n in rows])
         batch.admitted = [s for s in admitted if s in batch.seqs]
         if batch.phase != "prefill":
@@ -216,9 +219,23 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
             chunk = seq.num_pending if whole else min(seq.num_pending, budget)
+            self._publish_ahead(seq, chunk)
             rows.append((seq, chunk))
             budget -= chunk
         return rows
+
+    def _publish_ahead(self, seq: Sequence, chunk: int) -> None:
+        """Publish an admitted prompt's blocks for this step at once, as vLLM V1 does: a
+        request admitted later in the same step shares them. The forward writes every
+        row's K/V of a layer before any row's attention reads that layer."""
+        if self.cache.shares_prefixes:
+            self.cache.ensure_capacity(seq, seq.num_computed + chunk)
+            self._publish(seq, chunk)
+
+    def _publish(self, seq: Sequence, num_new: int) -> None:
+        """Offer the full blocks `seq` holds once this step's tokens are in, for reuse."""
+        if self.cache.shares_prefixes:
+            self.cache.publish(seq, seq.num_computed + num_new)
 
     def _seats_taken(self) -> int:
         return sum(seats(s) for s in self.running)
@@ -257,7 +274,10 @@ class Scheduler:
         self.preemptions += 1
         victim.preemptions += 1
         victim.preempted_at = self._now
-        if self.config.preemption == "swap" and victim.num_computed:
+        # A request admitted in this very step is requeued, never swapped: its blocks may
+        # hold prefix hits on blocks published for this step but not yet computed.
+        fresh = any(victim is seq for seq in self._fresh)
+        if self.config.preemption == "swap" and victim.num_computed and not fresh:
             saved = self.cache.swap_out(victim)
             self.swap_space[victim.request_id] = saved
             self.swapped_bytes += saved.nbytes

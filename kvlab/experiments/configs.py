@@ -2,7 +2,8 @@
 
 A name is a cache kind followed by "+"-separated options: a prefix index ("hash", "radix",
 or "prefix" for hash, as vLLM), a KV codec ("int8", "kivi2", ...), "chunked" (chunked
-prefill), "watermark" (watermark admission, with preemption), "swap" (swap preemption),
+prefill), "watermark" (watermark admission, with preemption), "reserve" (the default,
+spelled out), "swap" (swap preemption),
 "static" (static batching) and "bsN" (block size N). Cache kinds, prefix indexes and codecs
 come from their registries, so a newly registered one is a valid option at once.
 
@@ -27,6 +28,7 @@ FLAGS: dict[str, dict[str, object]] = {
     "prefix": {"prefix_caching": "hash"},
     "chunked": {"chunked_prefill": True},
     "watermark": {"admission": "watermark"},
+    "reserve": {"admission": "reserve"},
     "swap": {"preemption": "swap"},
     "static": {"batching": "static"},
 }
