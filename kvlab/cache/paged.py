@@ -31,7 +31,8 @@ from kvlab.cache.base import KVCache
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.pool import KVPool
 from kvlab.cache.prefix import PREFIX_INDEXES, PrefixIndex, PrefixMatch
-from kvlab.engine.sequence import Sequence
+from kvlab.cache.prefix.history import MISS_REASONS, PrefixHistory
+from kvlab.engine.sequence import Note, Sequence
 from kvlab.integrity import require
 from kvlab.units import ceil_div
 
@@ -52,6 +53,7 @@ class PagedCache(KVCache):
     ):
         super().__init__(pool, block_size, max_model_len, poison_freed)
         self.index = prefix_index
+        self.history = None if prefix_index is None else PrefixHistory(block_size)
         # None: reserve admission (worst case promised, never preempts). Otherwise the
         # number of blocks that must stay free after admitting a prompt.
         self.watermark_blocks = None if watermark is None else int(watermark * self.num_blocks)
@@ -179,11 +181,31 @@ class PagedCache(KVCache):
             self._copy_slots(source, table[-1], match.partial_tokens)
             self.allocator.decref(source, keep_cached=source in self.index)
             hit += match.partial_tokens
+        if self.index is not None:
+            self._explain_hit(seq, match, hit)
         seq.num_computed = seq.prefix_hit_tokens = hit
         if not self.reserves:
             # Take the prompt's blocks now, so the next admission in the same step sees
             # them gone (watermark admission makes no promises to count instead).
             self.ensure_capacity(seq, seq.num_tokens)
+
+    def _explain_hit(self, seq: Sequence, match: PrefixMatch, hit: int) -> None:
+        """Note on `seq` how much of its prompt hit the cache and, if not all, why not."""
+        raw = self.index.match(seq.prompt_ids, seq.salt)
+        prompt = len(seq.prompt_ids)
+        label = self.history.miss_reason(
+            seq.prompt_ids, seq.salt, hit, self.index.token_granular,
+            copy_refused=raw.partial_block is not None and not self._computed(raw.partial_block),
+        )  # fmt: skip
+        if match.partial_block is None and self._lookup(seq).partial_block is not None:
+            label = "no room to copy"
+        text = f"prefix cache: {hit} of {prompt} prompt tokens hit"
+        if label is None:
+            text += " (all but the last, which always runs)"
+        else:
+            block = hit // self.block_size
+            text += f"; missed from block {block} on: {label}: {MISS_REASONS[label]}"
+        seq.notes.append(Note("prefix", label or "hit", text))
 
     # --- promises (reserve admission) ----------------------------------------------
     def future_blocks(self, seq: Sequence) -> int:
@@ -251,6 +273,7 @@ class PagedCache(KVCache):
             if seq.num_computed < end:
                 self.unwritten[table[i]] = (seq.request_id, end)
         self.index.insert(seq.token_ids[:upto], table[:full], seq.salt)
+        self.history.record(seq.request_id, seq.token_ids[:upto], seq.salt)
         self.published[seq.request_id] = full
 
     def _computed(self, block: int, writer: Sequence | None = None) -> bool:
@@ -322,6 +345,8 @@ class PagedCache(KVCache):
     def _release(self, seq: Sequence) -> list[int]:
         table = self.tables.pop(seq.request_id)
         self.published.pop(seq.request_id, None)
+        if self.history is not None:
+            self.history.forget(seq.request_id)
         for block in table:
             if self.unwritten.get(block, (None,))[0] == seq.request_id:
                 del self.unwritten[block]

@@ -243,6 +243,21 @@ class Engine:
         self.finished.extend(finished)
         return bool(members)
 
+    def explain(self, request_id: int) -> str:
+        """What the engine did to a request and why, one line per event: how much of its
+        prompt hit the prefix cache (and if not all, the reason it missed), and every
+        preemption with its cause (who needed how many blocks, how many were free, the
+        victim rule's choice). Raises ValueError for an unknown request id."""
+        done = [out for out in self.finished if out.request_id == request_id]
+        queues = self.scheduler.waiting + self.scheduler.running + self.scheduler.swapped
+        live = [s for s in queues if request_id in (s.request_id, s.parent_id)]
+        if not done and not live:
+            raise ValueError(f"request_id={request_id} is neither queued, running nor finished")
+        notes = done[0].notes if done else [n for s in live for n in s.notes]
+        return "\n".join(n.text for n in notes) or (
+            f"request {request_id}: nothing to explain (no prefix caching, never preempted)"
+        )
+
     def _fork(self, parent: Sequence, logits: torch.Tensor) -> list[Sequence]:
         """n > 1: children that share the parent's prompt blocks, each with its first token."""
         children = []
@@ -353,6 +368,7 @@ class Engine:
             samples[0].finish_reason,
             metrics,
             samples,
+            tuple(note for m in group for note in m.notes),
         )
 
     # --- batch API ---------------------------------------------------------------------

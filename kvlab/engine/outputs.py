@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlab.engine.sequence import Note
+
 
 @dataclass(frozen=True)
 class RequestMetrics:
@@ -53,3 +55,4 @@ class RequestOutput:
     finish_reason: str  # "eos" | "length" | "max_model_len" | "cancelled"
     metrics: RequestMetrics
     samples: list[Sample]  # all n continuations; samples[0] is the one above
+    notes: tuple[Note, ...] = ()  # why: prefix-cache misses, preemptions (engine.explain)

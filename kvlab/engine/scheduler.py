@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvlab.cache.base import KVCache
 from kvlab.config import EngineConfig
-from kvlab.engine.sequence import RequestState, Sequence
+from kvlab.engine.sequence import Note, RequestState, Sequence
 
 Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
 
@@ -78,6 +78,22 @@ def victim_key(seq: Sequence) -> tuple:
 def choose_victim(running: list[Sequence]) -> Sequence:
     """The preemption victim among `running` (see `victim_key`)."""
     return max(running, key=victim_key)
+
+
+def _cause(seq: Sequence, n: int, need: int, free: int, victim: Sequence, running: int) -> Note:
+    """Why `victim` is preempted: `seq` needs `need` blocks for its next `n` tokens."""
+    chose = (
+        "itself, as no running request ranks below it"
+        if victim is seq
+        else f"request {victim.request_id} (priority {victim.priority}, admission "
+        f"#{victim.admit_order})"
+    )
+    text = (
+        f"request {seq.request_id} needed {need} block(s) for its next {n} token(s) and "
+        f"{free} were free; among {running} running, the victim rule (lowest priority, then "
+        f"most recently admitted) chose {chose}"
+    )
+    return Note("preemption", "out of blocks", text)
 
 
 def seats(seq: Sequence) -> int:
@@ -257,9 +273,11 @@ class Scheduler:
         for seq, n in sorted(rows, key=lambda row: victim_key(row[0])):
             if seq not in self.running:
                 continue  # preempted for an earlier row
-            while self.cache.blocks_needed(seq, seq.num_computed + n) > self.cache.num_available:
+            while (need := self.cache.blocks_needed(seq, seq.num_computed + n)) > (
+                free := self.cache.num_available
+            ):
                 victim = choose_victim(self.running)
-                self.preempt(victim)
+                self.preempt(victim, _cause(seq, n, need, free, victim, len(self.running)))
                 if victim is seq:
                     break
             if seq in self.running:
@@ -268,8 +286,9 @@ class Scheduler:
         order = {id(seq): i for i, (seq, _) in enumerate(rows)}
         return sorted(kept, key=lambda row: order[id(row[0])])
 
-    def preempt(self, victim: Sequence) -> None:
-        """Take a running sequence's blocks away; it resumes exactly where it stopped."""
+    def preempt(self, victim: Sequence, cause: Note | None = None) -> None:
+        """Take a running sequence's blocks away; it resumes exactly where it stopped.
+        `cause` says why, on the victim's notes (default: preempted by hand)."""
         self.running.remove(victim)
         self.preemptions += 1
         victim.preemptions += 1
@@ -289,6 +308,11 @@ class Scheduler:
             victim.num_computed = victim.prefix_hit_tokens = 0
             bisect.insort(self.waiting, victim, key=queue_key)
             victim.status = RequestState.PREEMPTED
+        cause = cause or Note("preemption", "by hand", "preempted by a call to Scheduler.preempt")
+        how = "swapped out" if victim.status is RequestState.SWAPPED else "dropped, to recompute"
+        victim.notes.append(
+            Note(cause.kind, cause.label, f"at t={self._now:.3f} s {how}: {cause.text}")
+        )
         self.events.append(Event(self._now, victim.request_id, victim.status))
 
     def _swap_in(self) -> None:

@@ -24,6 +24,15 @@ class RequestState(str, enum.Enum):
         return self.value
 
 
+@dataclass(frozen=True)
+class Note:
+    """One thing the engine did to a request, and why (`engine.explain(request_id)`)."""
+
+    kind: str  # "prefix" | "preemption"
+    label: str  # a short reason, e.g. "partial block" or "needed blocks"
+    text: str  # a sentence for people
+
+
 @dataclass
 class Sequence:
     """One request. `num_computed` counts the tokens whose K/V are stored in the cache."""
@@ -47,6 +56,7 @@ class Sequence:
     preemptions: int = 0
     preempted_at: float | None = None  # engine clock when last preempted, until resumed
     stall_s: float = 0.0  # total time spent preempted
+    notes: list[Note] = field(default_factory=list)  # prefix misses, preemptions: why
 
     @property
     def token_ids(self) -> list[int]:
