@@ -15,7 +15,8 @@
 #
 # *Engine files shown here:* `kvlab/experiments/compare.py`, `kvlab/experiments/configs.py`
 # (config names), `kvlab/experiments/bench.py`, `kvlab/experiments/peers.py`,
-# `kvlab/viz/dashboard.py`.
+# `kvlab/viz/dashboard.py`; for vLLM, `kvlab/experiments/vllm_bench.py` and
+# `kvlab/experiments/vllm_peer.py`.
 #
 # The earlier notebooks each took one idea on its own: paging, prefix sharing, quantized
 # KV, scheduling. This one puts them side by side on **one workload, one model and one KV
