@@ -18,11 +18,6 @@ from kvlab.experiments.vllm_peer import vllm_missing
 
 pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
 
-SAME_STEP_SHARING = (
-    "kvlab shares a prefix block only once the request that fills it has finished its "
-    "prefill; vLLM V1 caches a block as soon as it is scheduled to be full, so requests "
-    "prefilled in the same step already share it (issue 14, part 4)"
-)
 VLLM_ADMISSION = (
     "kvlab's default admission promises every request its worst case up front (reserve); "
     "vLLM admits a request when its prompt's blocks are free and preempts when decoding "
@@ -59,19 +54,7 @@ def test_prefix_caching_hits_the_shared_prefix(report):
         assert (hits.vllm_hit_tokens % BLOCK == 0).all()
 
 
-@pytest.mark.parametrize(
-    "workload, arrival",
-    [
-        pytest.param(
-            w,
-            a,
-            marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=SAME_STEP_SHARING),
-        )
-        if a == "together"
-        else (w, a)
-        for w, a in SHARING_RUNS
-    ],
-)
+@pytest.mark.parametrize("workload, arrival", SHARING_RUNS)
 def test_prefix_hit_tokens_per_request(report, workload, arrival):
     """Prompt tokens served from the prefix cache, request by request (whole blocks of
     the shared preamble / system prompt), for the same arrival pattern."""
