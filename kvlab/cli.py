@@ -59,10 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     _endpoint_args(cmp)
     cmp.set_defaults(run=run_compare)
 
-    bench = commands.add_parser("bench", help="kvlab against HF transformers on one workload")
+    bench = commands.add_parser("bench", help="kvlab against HF and vLLM on one workload")
     _workload_args(bench, default="doc-qa")
     bench.add_argument(
-        "--peers", default="hf-generate,hf-generate-batch", help="comma-separated peers"
+        "--peers",
+        default="hf-generate,hf-generate-batch",
+        help="comma-separated peers: hf-generate, hf-generate-batch, vllm (needs `make peers`)",
+    )
+    bench.add_argument(
+        "--vllm-threads",
+        type=int,
+        default=None,
+        help="vLLM's OpenMP threads, bound to cores 0..N-1 (default: vLLM's own binding)",
+    )
+    bench.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the model's dtype for every system (default: fp32 on CPU, bf16 on CUDA)",
     )
     bench.add_argument(
         "--configs",
@@ -223,12 +237,15 @@ def _split(names: str) -> list[str]:
 def _model_and_budget(args: argparse.Namespace, configs: list[str]):
     """Check the config names (a bad one fails before the model loads), then load the
     model and read --budget (None: the command's default)."""
+    import torch
+
     import kvlab
     from kvlab.experiments.configs import model_bytes_per_token, parse_budget, parse_config
 
     for name in configs:
         parse_config(name)
-    model = kvlab.load_model(args.model, device=args.device, progress=not args.quiet)
+    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
+    model = kvlab.load_model(args.model, device=args.device, dtype=dtype, progress=not args.quiet)
     budget = parse_budget(args.budget, model_bytes_per_token(model)) if args.budget else None
     return model, budget
 
@@ -324,6 +341,7 @@ def run_bench(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         progress=not args.quiet,
         workload=args.workload,
+        vllm_threads=args.vllm_threads,
     )
     endpoint = _replay_endpoint(args, model, requests)
     if endpoint:
@@ -340,6 +358,18 @@ def run_bench(args: argparse.Namespace) -> int:
         print(result.table().to_string())
         for name, ratio in result.ratios().items():
             print(f"{name}: {ratio:.2f}x")
+        agreement = result.meta["token_agreement"]
+        print(
+            "requests token-identical to kvlab:",
+            ", ".join(f"{k} {v}" for k, v in agreement.items()),
+        )
+        if "vllm" in result.meta:
+            vllm = result.meta["vllm"]
+            print(
+                f"vllm {vllm['version']}: engine built in {vllm['load_s']} s (not timed), "
+                f"VLLM_CPU_OMP_THREADS_BIND={vllm['VLLM_CPU_OMP_THREADS_BIND']}, "
+                f"OpenMP on cores {vllm['omp_core_ids']}"
+            )
         _print_endpoint(endpoint)
     return 0
 

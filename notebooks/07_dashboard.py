@@ -15,7 +15,8 @@
 #
 # *Engine files shown here:* `kvlab/experiments/compare.py`, `kvlab/experiments/configs.py`
 # (config names), `kvlab/experiments/bench.py`, `kvlab/experiments/peers.py`,
-# `kvlab/viz/dashboard.py`.
+# `kvlab/viz/dashboard.py`; for vLLM, `kvlab/experiments/vllm_bench.py` and
+# `kvlab/experiments/vllm_peer.py`.
 #
 # The earlier notebooks each took one idea on its own: paging, prefix sharing, quantized
 # KV, scheduling. This one puts them side by side on **one workload, one model and one KV
@@ -26,13 +27,15 @@
 # * throughput and latency;
 # * and, beside kvlab, what a user would otherwise run: Hugging Face transformers'
 #   `generate` (static padded batches) and `generate_batch` (its continuous batching with
-#   a paged cache), on the same prompts with the same greedy decoding.
+#   a paged cache), and vLLM's offline engine, the design kvlab explains, on the same
+#   prompts with the same greedy decoding.
 #
 # The same comparisons run from the command line:
 #
 # ```
 # kvlab compare --workload doc-qa --n 16 --budget 4096tok --html compare.html
 # kvlab bench   --workload doc-qa --n 16 --save bench.json
+# kvlab bench   --workload doc-qa --n 16 --peers vllm,hf-generate,hf-generate-batch
 # ```
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
@@ -50,8 +53,9 @@ import torch
 
 import kvlab
 from kvlab import workloads
-from kvlab.experiments.bench import BenchResult, run_bench
+from kvlab.experiments.bench import DEFAULT_PEERS, BenchResult, run_bench
 from kvlab.experiments.compare import compare
+from kvlab.experiments.vllm_peer import vllm_missing
 from kvlab.viz.dashboard import Dashboard
 from kvlab.workloads import encode_requests
 
@@ -191,46 +195,76 @@ print(f"peak concurrent sequences, paged+prefix+int8 / naive: {ratio:.1f}")
 # %% [markdown]
 # ## 5 · Against what users would otherwise run
 #
-# `kvlab bench` runs the same token-id prompts through kvlab (`paged+prefix`) and through
-# transformers on the same model:
+# `kvlab bench` runs the same token-id prompts through kvlab (`paged+prefix`), through
+# transformers on the same model, and through vLLM:
 #
 # * **hf-generate**: `model.generate` in static, left-padded batches of 16 (or the
 #   largest padded batch that fits the KV budget); a batch decodes until its longest
 #   request is done;
 # * **hf-generate-batch**: transformers' continuous batching (`generate_batch`'s manager)
-#   with its own paged cache, given the same KV budget.
+#   with its own paged cache, given the same KV budget;
+# * **vllm**: vLLM's offline engine (its CPU build here: paged KV in blocks of 32, prefix
+#   caching on), in a process and venv of its own (`make peers` builds `.venv-vllm`),
+#   given the same KV bytes. Its engine is built once before the timed rounds; its load
+#   time is reported apart (`meta["vllm"]`). kvlab drives it from
+#   `kvlab/experiments/vllm_bench.py` and `vllm_peer.py`; `vllm_worker.py` is the script
+#   `.venv-vllm`'s python runs.
 #
-# Greedy, each request's own `max_new_tokens`, EOS ignored, in one process, one after the
-# other. Two saved runs of this machine: the doc-QA workload above (16 requests), and 16
-# chat prompts with 64 new tokens each, equal lengths being the case static batches
-# handle best.
+# Greedy, each request's own `max_new_tokens`, EOS ignored, one system after the other.
+# `token_agreement` is the share of requests whose tokens equal kvlab's exactly;
+# `cpu_percent` is CPU seconds over wall seconds (vLLM's sums its processes: on this
+# 2-core machine its model worker computes on one core, its engine core loops on the
+# other). Two **saved runs**: the doc-QA workload above (16 requests; kvlab and HF only so
+# far), and 16 chat prompts with 64 new tokens each, equal lengths being the case static
+# batches handle best, with vLLM; its figure below is that saved run.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 benches = {
     "doc-QA": BenchResult.load(RESULTS / "bench_doc_qa.json"),
-    "uniform chat": BenchResult.load(RESULTS / "bench_uniform_chat.json"),
+    "uniform chat": BenchResult.load(RESULTS / "bench_uniform_chat_vllm.json"),
 }
 for name, bench in benches.items():
-    print(f"{name}: {bench.meta.get('requests')} requests, {bench.meta.get('machine')}")
+    print(f"{name}: {bench.meta['requests']} requests, {bench.meta['machine']}, saved run")
+    if "vllm" in bench.meta:
+        vllm = bench.meta["vllm"]
+        print(f"  vLLM {vllm['version']}, engine built in {vllm['load_s']} s (not in its time)")
     print(bench.table().to_string())
-    print(", ".join(f"{k} {v:.2f}x" for k, v in bench.ratios().items()), "\n")
-benches["doc-QA"].figure().show()
+    print(", ".join(f"{k} {v:.2f}x" for k, v in bench.ratios().items()))
+    print("token agreement with kvlab:", bench.meta.get("token_agreement", "not recorded"), "\n")
+with_vllm = benches["uniform chat"]
+with_vllm.workload = "uniform chat, 16 x 64 tokens (saved run)"
+with_vllm.figure().show()
 
 # %% [markdown]
 # A small live run proves the plumbing on your machine: four chat prompts, eight new
-# tokens each, all three systems. Every system produces the same number of tokens, and
-# the greedy answers agree up to the first end-of-sequence token:
+# tokens each, every system, vLLM included where `make peers` has built it (its engine
+# takes about a minute to start on a 2-core CPU). Every system produces the same number
+# of tokens, and the greedy answers agree up to the first end-of-sequence token:
 
 # %%
-live = run_bench(model, workloads.uniform_chat(4, max_new_tokens=8), workload="uniform chat x 4")
-print({name: s.output_tokens for name, s in live.systems.items()})
-print("greedy answers agree:", live.meta["greedy_match_to_first_eos"])
+missing = vllm_missing()
+peers = DEFAULT_PEERS if missing else (*DEFAULT_PEERS, "vllm")
+live = run_bench(
+    model, workloads.uniform_chat(4, max_new_tokens=8), peers=peers, workload="uniform chat x 4"
+)
+agree = live.meta["greedy_match_to_first_eos"]
+for name in ("kvlab", *DEFAULT_PEERS):
+    print(f"{name:18} {live.systems[name].output_tokens} tokens, agrees: {agree[name]}")
+
+# %% [markdown]
+# vLLM's row, live when it is installed here; where it is not, its bars are the saved
+# run's above, and this cell says so:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+if missing:
+    print(f"vLLM not run live ({missing}): its bars above are from the saved run")
+else:
+    print(f"vllm {live.systems['vllm'].output_tokens} tokens, agrees: {agree['vllm']}")
 print(live.table().to_string())
 print(live.ratios())
+live.figure().show()
 
 # %% [markdown]
 # ## 6 · The dashboard
@@ -274,7 +308,11 @@ print(dash.status.value.split(";")[0])
 # * `kvlab compare --configs paged,paged+watermark` compares admission policies: the
 #   watermark admits more and preempts when blocks run out (`preemptions`).
 # * `kvlab bench --workload chat --rounds 3 --save my_bench.json`, then
-#   `Dashboard(model, bench="my_bench.json")` draws your machine's bars.
+#   `Dashboard(model, bench="my_bench.json")` draws your machine's bars. Add
+#   `--peers vllm` after `make peers`, and `--vllm-threads 2` to bind vLLM's compute to
+#   both cores instead of its default (one core computes, one runs its engine loop).
+# * `python benchmarks/vllm_oracle.py` runs vLLM as the oracle of kvlab's accounting: KV
+#   capacity for a byte budget, prefix-hit tokens per request, tokens.
 # * Notebook 08 plans capacity for real models and accelerators from the same arithmetic.
 #
 # The stored timings come from the machine below (a shared 2-core CPU unless it says

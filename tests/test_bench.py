@@ -36,14 +36,16 @@ def bench(model):
 
 def test_bench_runs_every_system_on_the_same_tokens(bench, tmp_path):
     result = bench.to_json()
-    assert list(result) == ["systems", "ratios"]
+    assert list(result) == ["systems", "ratios", "token_agreement"]
     assert list(result["systems"]) == ["kvlab", "hf-generate", "hf-generate-batch"]
     for row in result["systems"].values():
-        assert list(row) == ["output_tokens", "wall_s", "tok_s"]
+        assert list(row) == ["output_tokens", "wall_s", "tok_s", "cpu_percent"]
+        assert 0 < row["cpu_percent"]
         assert row["output_tokens"] == 12
     assert list(result["ratios"]) == ["kvlab/hf-generate", "kvlab/hf-generate-batch"]
     # Greedy on the same prompts: every peer agrees with kvlab up to the first EOS.
     assert set(bench.meta["greedy_match_to_first_eos"].values()) == {1.0}
+    assert list(result["token_agreement"]) == list(result["systems"])
     assert bench.systems["hf-generate"].batch_size == 3
     path = tmp_path / "bench.json"
     bench.save(path)
@@ -81,8 +83,8 @@ def test_bench_cli_json(tmp_path, capsys):
 
 
 def test_bench_rejects_unknown_peers(capsys):
-    assert main(["bench", "--workload", "uniform-chat", "--peers", "vllm", "--quiet"]) == 2
-    assert "unknown peer(s) ['vllm']" in capsys.readouterr().err
+    assert main(["bench", "--workload", "uniform-chat", "--peers", "sglang", "--quiet"]) == 2
+    assert "unknown peer(s) ['sglang']" in capsys.readouterr().err
 
 
 def test_median_ratios_summarise_every_round():

@@ -139,8 +139,9 @@ def test_bench_vs_hf_quick(tiny_model_path, tmp_path, capsys):
 
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
-# Scripts from the serve work (over kvlab.serve) that have no --quick mode yet.
-NO_QUICK_YET = {"serve_soak", "serve_vs_vllm"}
+# Scripts from the serve work (over kvlab.serve) and the vLLM oracle (it needs .venv-vllm
+# and one vLLM engine per budget whatever the size) that have no --quick mode yet.
+NO_QUICK_YET = {"serve_soak", "serve_vs_vllm", "vllm_oracle"}
 
 
 def script_help(name: str) -> str:

@@ -1,7 +1,8 @@
-"""kvlab against what users would otherwise run: HF transformers, same model and prompts.
+"""kvlab against what users would otherwise run: HF transformers and vLLM, same prompts.
 
     result = run_bench(model, doc_qa(16), peers=("hf-generate", "hf-generate-batch"))
-    result.to_json()  # {"systems": {name: {"output_tokens", "wall_s", "tok_s"}}, "ratios": {...}}
+    result.to_json()  # {"systems": {name: {"output_tokens", "wall_s", "tok_s", "cpu_percent"}},
+    #                     "ratios": {...}, "token_agreement": {name: share of requests}}
     result.save("bench.json"); BenchResult.load("bench.json").figure()
 
 Every system gets the same token-id prompts, greedy decoding and each request's own
@@ -12,12 +13,18 @@ fastest round is the least disturbed; the saved result also gives median_ratios,
 each system's median round). A tiny untimed warm-up precedes the first round.
 
 Wall time includes each system's set-up: kvlab's Engine construction and
-transformers' continuous-batching manager start-up and shut-down.
+transformers' continuous-batching manager start-up and shut-down. vLLM (peer "vllm",
+kvlab.experiments.vllm_bench) runs in a process of its own whose engine is built once,
+before the rounds: its load time is in meta["vllm"], its rounds time generation only.
+Every system's CPU time is kept (cpu_percent: CPU seconds over wall seconds; vLLM's sums
+its processes), and so is its token agreement with kvlab: meta["token_agreement"], the
+share of requests whose tokens equal kvlab's exactly.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -37,7 +44,8 @@ from kvlab.model.loading import LoadedModel
 from kvlab.units import ceil_div, round_up
 from kvlab.workloads import Request, encode_requests
 
-PEERS = ("hf-generate", "hf-generate-batch")
+PEERS = ("hf-generate", "hf-generate-batch", "vllm")
+DEFAULT_PEERS = ("hf-generate", "hf-generate-batch")  # "vllm" needs `make peers`
 DEFAULT_KVLAB_CONFIG = "paged+prefix"
 
 
@@ -55,10 +63,15 @@ class SystemResult:
     batch_size: int | None = None  # hf-generate's static batch size
     walls_s: list[float] = field(default_factory=list)  # every timed round
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    cpu_s: float | None = None  # CPU seconds of the round (all threads and processes)
 
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.wall_s
+
+    @property
+    def cpu_percent(self) -> float | None:
+        return None if self.cpu_s is None else round(100 * self.cpu_s / self.wall_s, 1)
 
 
 @dataclass
@@ -91,10 +104,12 @@ class BenchResult:
                 "output_tokens": s.output_tokens,
                 "wall_s": round(s.wall_s, 3),
                 "tok_s": round(s.tok_s, 2),
+                "cpu_percent": s.cpu_percent,
             }
             for name, s in self.systems.items()
         }
-        return {"systems": systems, "ratios": self.ratios()}
+        agreement = self.meta.get("token_agreement", {})
+        return {"systems": systems, "ratios": self.ratios(), "token_agreement": agreement}
 
     def to_dict(self) -> dict:
         """to_json() plus the workload, batch sizes, every round's wall time and meta."""
@@ -122,16 +137,19 @@ class BenchResult:
         """A result saved by `save` (or printed by `kvlab bench --json`)."""
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         details = data.get("details", {})
-        systems = {
-            name: SystemResult(
+        systems = {}
+        for name, row in data["systems"].items():
+            detail = details.get(name, {})
+            wall = detail.get("best_wall_s", row["wall_s"])
+            cpu = row.get("cpu_percent")
+            systems[name] = SystemResult(
                 name,
                 row["output_tokens"],
-                details.get(name, {}).get("best_wall_s", row["wall_s"]),
-                details.get(name, {}).get("batch_size"),
-                details.get(name, {}).get("walls_s", [row["wall_s"]]),
+                wall,
+                detail.get("batch_size"),
+                detail.get("walls_s", [row["wall_s"]]),
+                cpu_s=None if cpu is None else cpu * wall / 100,
             )
-            for name, row in data["systems"].items()
-        }
         return cls(data.get("workload", str(path)), systems, data.get("meta", {}))
 
     def table(self) -> pd.DataFrame:
@@ -141,6 +159,7 @@ class BenchResult:
                 "wall_s": round(s.wall_s, 2),
                 "tok_s": round(s.tok_s, 1),
                 "batch_size": s.batch_size,
+                "cpu_percent": s.cpu_percent,
             }
             for name, s in self.systems.items()
         }
@@ -176,7 +195,7 @@ def run_bench(
     model: LoadedModel,
     requests: list[Request],
     configs: list[str] | tuple[str, ...] = (DEFAULT_KVLAB_CONFIG,),
-    peers: list[str] | tuple[str, ...] = PEERS,
+    peers: list[str] | tuple[str, ...] = DEFAULT_PEERS,
     budget_bytes: int | None = None,
     max_model_len: int | None = None,
     hf_batch_size: int | None = None,
@@ -184,6 +203,7 @@ def run_bench(
     warmup: bool = True,
     progress: bool = False,
     workload: str = "custom",
+    vllm_threads: int | None = None,
     **engine_options,
 ) -> BenchResult:
     """Run `requests` through kvlab (each config) and the peers; see the module doc.
@@ -191,12 +211,13 @@ def run_bench(
     Args:
         configs: kvlab config names (`kvlab.experiments.compare.parse_config`); one is reported as
             "kvlab", several as "kvlab-<name>".
-        peers: any of PEERS.
+        peers: any of PEERS ("vllm" needs `make peers`; see kvlab.experiments.vllm_bench).
         budget_bytes: KV budget for kvlab and for hf-generate-batch's cache, and the
             memory hf-generate's batch size is chosen to fit; default: the whole workload
             at once (every request's prompt + max_new_tokens, in 16-token blocks).
         hf_batch_size: hf-generate's static batch size; default `choose_batch_size`
             (16, or the largest padded batch that fits the budget).
+        vllm_threads: vLLM's OpenMP threads (cores 0..N-1); None: vLLM's own binding.
     """
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -222,13 +243,39 @@ def run_bench(
         [len(p) for p in prompts], max_new, budget_bytes, per_token
     )
     page_size = 256
-    step_tokens = next(iter(kvlab_configs.values())).max_num_batched_tokens
+    first_config = next(iter(kvlab_configs.values()))
+    step_tokens = first_config.max_num_batched_tokens
+    vllm = None
+    if "vllm" in peers:  # its engine is built here, before any timed round
+        from kvlab.experiments.vllm_bench import VllmBenchSide
+
+        if progress:
+            tqdm.write("vllm: starting its engine (not timed)", file=sys.stderr)
+        vllm = VllmBenchSide.start(
+            model,
+            prompts,
+            max_new,
+            budget_bytes,
+            first_config.max_num_seqs,
+            step_tokens,
+            vllm_threads,
+        )
 
     def run(name: str, reqs: list[Request], show: bool) -> SystemResult:
         ids, new = [list(r.prompt) for r in reqs], [r.max_new_tokens for r in reqs]
+        if show:
+            tqdm.write(name, file=sys.stderr)
+        if name == "vllm":
+            done = vllm.run(ids, new)
+            tokens = sum(map(len, done.outputs))
+            return SystemResult(name, tokens, done.run_s, None, [], done.outputs, done.cpu_s)
+        cpu0 = time.process_time()  # this process's CPU seconds, every thread
+        result = run_here(name, reqs, ids, new, show)
+        result.cpu_s = time.process_time() - cpu0
+        return result
+
+    def run_here(name, reqs, ids, new, show) -> SystemResult:
         if is_kvlab(name):
-            if show:
-                tqdm.write(name, file=sys.stderr)
             start = time.perf_counter()
             engine = Engine(model, kvlab_configs[name])
             outs = engine.run(reqs, ignore_eos=True, progress=show)
@@ -247,19 +294,24 @@ def run_bench(
         )
 
     systems = [*kvlab_configs, *peers]
-    if warmup:  # one short request each, untimed: first-call costs land here
-        tiny = [Request(prompts[0][:16], 2)]
-        for name in systems:
-            run(name, tiny, False)
     best: dict[str, SystemResult] = {}
-    for index in range(rounds):
-        order = systems if index % 2 == 0 else systems[::-1]
-        for name in order:
-            result = run(name, requests, progress)
-            walls = [*best[name].walls_s, result.wall_s] if name in best else [result.wall_s]
-            if name not in best or result.wall_s < best[name].wall_s:
-                best[name] = result
-            best[name].walls_s = walls
+    load_average = os.getloadavg() if hasattr(os, "getloadavg") else ()
+    try:
+        if warmup:  # one short request each, untimed: first-call costs land here
+            tiny = [Request(prompts[0][:16], 2)]
+            for name in systems:
+                run(name, tiny, False)
+        for index in range(rounds):
+            order = systems if index % 2 == 0 else systems[::-1]
+            for name in order:
+                result = run(name, requests, progress)
+                walls = [*best[name].walls_s, result.wall_s] if name in best else [result.wall_s]
+                if name not in best or result.wall_s < best[name].wall_s:
+                    best[name] = result
+                best[name].walls_s = walls
+    finally:
+        if vllm is not None:
+            vllm.close()
     eos = {model.tokenizer.eos_token_id}
     reference = best[next(iter(kvlab_configs))].outputs
     agreement = {
@@ -277,6 +329,7 @@ def run_bench(
         "model": model.name,
         "device": str(model.device),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "load_average_at_start": [round(x, 2) for x in load_average],  # other work on it
         "requests": len(requests),
         "prompt_tokens": sum(map(len, prompts)),
         "max_new_tokens": sum(max_new),
@@ -287,5 +340,11 @@ def run_bench(
         "rounds": rounds,
         "order": systems,
         "greedy_match_to_first_eos": agreement,
+        "token_agreement": {
+            name: round(sum(a == b for a, b in zip(reference, s.outputs)) / len(reference), 3)
+            for name, s in best.items()
+        },
     }
+    if vllm is not None:
+        meta["vllm"] = vllm.meta()
     return BenchResult(workload, {name: best[name] for name in systems}, meta)

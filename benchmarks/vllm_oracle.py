@@ -1,0 +1,46 @@
+"""vLLM as the oracle of kvlab's accounting: prints both sides of every oracle run.
+
+    python benchmarks/vllm_oracle.py [--save benchmarks/results/vllm_oracle.json]
+
+Needs `make peers` (.venv-vllm). Same model, token ids, block size 32 and KV bytes, fp32,
+greedy (kvlab.experiments.vllm_oracle; tests/test_vllm_oracle.py asserts the same runs).
+Prints the KV capacity for each byte budget, per request the prefix-hit tokens of kvlab
+and vLLM (RequestOutput.num_cached_tokens) and whether their tokens are identical, and the
+tight-budget run's peak running requests and preemptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import kvlab
+from kvlab.experiments.vllm_oracle import run_oracle
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save", default=None, metavar="PATH", help="also write JSON here")
+    args = parser.parse_args()
+    model = kvlab.load_model(device="cpu", progress=False)
+    report = run_oracle(model)
+    capacity, requests, pressure = report.capacity(), report.requests(), report.pressure()
+    print("KV capacity for a byte budget (block size 32, fp32):")
+    print(capacity.to_string(), "\n")
+    print("per request: prefix-hit tokens, tokens identical:")
+    print(requests.to_string(index=False), "\n")
+    print("tight budget, 8 chat answers of 64 tokens:")
+    print(pressure.to_string())
+    if args.save:
+        data = {
+            "vllm_version": report.vllm["roomy"].vllm_version,
+            "capacity": capacity.to_dict(orient="index"),
+            "requests": requests.to_dict(orient="records"),
+            "pressure": pressure.to_dict(),
+        }
+        Path(args.save).write_text(json.dumps(data, indent=2, default=lambda v: v.item()) + "\n")
+
+
+if __name__ == "__main__":
+    main()

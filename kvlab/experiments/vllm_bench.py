@@ -1,0 +1,105 @@
+"""vLLM as a peer of `kvlab bench`: one engine, built before the timed rounds.
+
+    side = VllmBenchSide.start(model, prompts, max_new_tokens, budget_bytes, max_model_len)
+    run = side.run(prompts, max_new_tokens)  # a VllmRun: outputs, run_s, cpu_s
+    side.meta()  # load time, thread binding, KV shape; side.close()
+
+vLLM runs in its own process (`.venv-vllm`, see kvlab.experiments.vllm_peer) in its
+default multiprocess mode, as `vllm.LLM` runs: front end, engine core and model worker.
+Its engine is built once; its load time (processes, weights, KV) is reported apart and
+each round times generation only, greedy, EOS ignored, prefix caching on, the prefix
+cache emptied before every round (a fresh engine's state, as kvlab's Engine starts).
+
+Its KV gets the bench's byte budget with vLLM's block size (32 on CPU). vLLM refuses to
+start unless one `max_model_len` sequence fits beside its null block, so its
+max_model_len is the longest request rounded up to a block, and the budget is raised to
+that one sequence when smaller (meta says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.experiments.configs import model_bytes_per_token
+from kvlab.experiments.vllm_peer import (
+    VLLM_BLOCK_SIZE,
+    VllmEngine,
+    VllmPeer,
+    VllmRun,
+    vllm_engine_args,
+)
+from kvlab.model.loading import LoadedModel
+from kvlab.units import round_up
+
+
+@dataclass
+class VllmBenchSide:
+    """The started vLLM peer of one bench."""
+
+    peer: VllmPeer
+    engine: VllmEngine
+    engine_args: dict
+    budget_raised: bool  # the bench's budget could not hold one max_model_len sequence
+
+    @classmethod
+    def start(
+        cls,
+        model: LoadedModel,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        budget_bytes: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        threads: int | None = None,
+    ) -> VllmBenchSide:
+        """Start the worker and build vLLM's engine for this workload (not timed).
+
+        threads: None for vLLM's own binding ("auto": its model worker's OpenMP threads
+        on all cores of a NUMA node but one, kept for its engine core), else N for
+        VLLM_CPU_OMP_THREADS_BIND=0-(N-1).
+        """
+        block = VLLM_BLOCK_SIZE
+        longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
+        max_model_len = round_up(longest, block)
+        one_sequence = (max_model_len + block) * model_bytes_per_token(model)  # + null block
+        kv_bytes = max(budget_bytes, one_sequence)
+        args = vllm_engine_args(
+            model,
+            kv_bytes,
+            max_model_len,
+            block,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        peer = VllmPeer(threads=threads)
+        try:
+            engine = peer.start(args)
+        except BaseException:
+            peer.close()
+            raise
+        return cls(peer, engine, args, kv_bytes > budget_bytes)
+
+    def run(self, prompts: list[list[int]], max_new_tokens: list[int]) -> VllmRun:
+        """All requests at once, greedy, exact lengths, from an empty prefix cache."""
+        return self.peer.run(prompts, max_new_tokens, arrival="together", reset_prefix_cache=True)
+
+    def meta(self) -> dict:
+        """What the bench's meta records about vLLM."""
+        return {
+            "version": self.engine.vllm_version,
+            "load_s": round(self.engine.load_s, 2),
+            "mode": "multiprocess (front end, engine core, model worker)",
+            "VLLM_CPU_OMP_THREADS_BIND": self.peer.threads_bind,
+            "omp_core_ids": self.engine.omp_core_ids,
+            "dtype": self.engine_args["dtype"],
+            "block_size": self.engine.block_size,
+            "kv_cache_memory_bytes": self.engine_args["kv_cache_memory_bytes"],
+            "kv_budget_raised_to_one_sequence": self.budget_raised,
+            "num_blocks": self.engine.num_blocks,
+            "max_model_len": self.engine_args["max_model_len"],
+            "max_num_batched_tokens": self.engine_args["max_num_batched_tokens"],
+            "prefix_caching": self.engine_args["enable_prefix_caching"],
+        }
+
+    def close(self) -> None:
+        self.peer.close()

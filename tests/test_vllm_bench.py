@@ -1,0 +1,41 @@
+"""`kvlab bench --peers vllm`: vLLM's offline engine beside kvlab on the same token ids.
+
+Skipped where `make peers` cannot build `.venv-vllm`. One vLLM engine (its default
+multiprocess mode, about a minute to start on a 2-core CPU) serves the whole test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlab.cli import main
+from kvlab.experiments.bench import BenchResult
+from kvlab.experiments.vllm_peer import vllm_missing
+from kvlab.workloads import encode_requests, uniform_chat, write_jsonl
+
+pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
+
+
+def test_bench_cli_runs_vllm_on_the_same_tokens(model, tmp_path, capsys):
+    workload, saved = tmp_path / "chat.jsonl", tmp_path / "bench.json"
+    write_jsonl(encode_requests(model, uniform_chat(3, max_new_tokens=6)), workload)
+    argv = ["bench", "--workload", str(workload), "--peers", "vllm", "--quiet"]
+    assert main([*argv, "--rounds", "2", "--json", "--save", str(saved)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert list(printed["systems"]) == ["kvlab", "vllm"]
+    assert {row["output_tokens"] for row in printed["systems"].values()} == {18}
+    assert list(printed["ratios"]) == ["kvlab/vllm"]
+    # fp32, greedy, EOS ignored: vLLM's answers equal kvlab's token for token.
+    assert printed["token_agreement"]["vllm"] == 1.0
+    assert printed["systems"]["vllm"]["cpu_percent"] > 0
+    result = BenchResult.load(saved)
+    vllm = result.meta["vllm"]
+    assert vllm["load_s"] > 0 and vllm["block_size"] == 32 and vllm["prefix_caching"]
+    assert vllm["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and vllm["dtype"] == "float32"
+    assert len(result.systems["vllm"].walls_s) == 2  # alternating rounds, generation only
+    # vLLM's KV: the bench's byte budget (raised only if one sequence would not fit),
+    # carved into blocks of 32 fp32 tokens (46,080 bytes each).
+    assert vllm["kv_cache_memory_bytes"] >= result.meta["kv_budget_bytes"]
+    assert vllm["num_blocks"] == vllm["kv_cache_memory_bytes"] // (32 * 46_080)
