@@ -4,13 +4,12 @@ dataset. It checks that every request completes with the tokens asked for and th
 kvlab's /metrics, under vLLM's names, counts the shared prefixes as hits. Nothing is
 timed here: benchmarks/serve_vs_vllm.py prints the speed figures.
 
-Opt-in, since each run imports vLLM (30 s to 2 min here): KVLAB_VLLM_TESTS=1. Skips,
-saying why, where vLLM's venv is absent: $KVLAB_VLLM_VENV, else .venv-vllm.
+Runs wherever vLLM's venv is ($KVLAB_VLLM_VENV, else .venv-vllm: `make peers`, which
+`make test` runs first); skips, saying why, where it is absent. Each run imports vLLM
+(30 s to 2 min here).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -20,12 +19,7 @@ import kvlab  # noqa: E402
 from kvlab.serve import ServerThread, engine_config  # noqa: E402
 from kvlab.serve.vllm_bench import bench_serve, vllm_missing  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif(
-        os.environ.get("KVLAB_VLLM_TESTS") != "1", reason="opt-in: set KVLAB_VLLM_TESTS=1"
-    ),
-    pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing())),
-]
+pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
 PROMPTS, OUTPUT_LEN = 8, 8
 
 
