@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    from kvlab.spec import SpeculativeConfig
 
 # The fixed choices. The variants (cache kinds, prefix indexes, KV codecs) are registered
 # parts: see kvlab.cache.CACHES, kvlab.cache.prefix.PREFIX_INDEXES, kvlab.cache.codecs.CODECS.
@@ -67,6 +70,9 @@ class EngineConfig:
         kv_codec: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
             "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
             count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
+        speculative: speculative decoding, a kvlab.spec.SpeculativeConfig (or a dict of
+            its fields, as vLLM's speculative_config): e.g. {"method": "ngram",
+            "num_speculative_tokens": 4}. None decodes one token per step.
     """
 
     cache: str = "naive"  # a name in kvlab.cache.CACHES
@@ -87,6 +93,7 @@ class EngineConfig:
     poison_freed: bool = False
     record_block_map: bool = False
     kv_codec: str | None = None
+    speculative: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         from kvlab.cache import CACHES, PREFIX_INDEXES
@@ -101,6 +108,9 @@ class EngineConfig:
                 + " or ".join(map(repr, _capable(CACHES, "shares_prefixes"))),
             )
         CODECS[self.kv_codec]
+        from kvlab.spec import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.coerce(self.speculative)
         for name, choices in (
             ("batching", Batching),
             ("schedule_order", ScheduleOrder),

@@ -143,6 +143,31 @@ class KVCache(ABC):
         if self.poison_freed and freed:
             self.pool.poison(self.block_slots(freed))
 
+    def rewind(self, seq: Sequence, num_computed: int) -> int:
+        """Forget positions [num_computed, seq.num_computed) of `seq` (rejected speculative
+        drafts): the codec rolls back their state and the blocks past the kept tokens
+        return to the free list. Returns how many blocks were returned."""
+        if not 0 <= num_computed <= seq.num_computed:
+            raise ValueError(f"cannot rewind request {seq.request_id} to {num_computed} tokens")
+        if num_computed < seq.num_computed:
+            self.pool.discard(self.position_slots(seq, num_computed, seq.num_computed))
+            seq.num_computed = num_computed
+        freed = self._trim(seq)
+        if self.poison_freed and freed:
+            self.pool.poison(self.block_slots(freed))
+        return len(freed)
+
+    def _trim(self, seq: Sequence) -> list[int]:
+        """Give back the blocks past `seq.num_computed`; return them (those now free)."""
+        return []
+
+    def position_slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Pool slots of positions [start, end) of `seq`, (end - start,) int64."""
+        table = torch.tensor(self.block_table(seq), dtype=torch.long)
+        positions = torch.arange(start, end)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return slots.to(self.pool.device)
+
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         """All slots of the given blocks, (len(blocks) * block_size,) int64."""
         ids = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)

@@ -319,7 +319,7 @@ class PagedCache(KVCache):
 
     # --- swapping --------------------------------------------------------------------
     def swap_out(self, seq: Sequence) -> StoredKV:
-        saved = self.pool.read(self._slots(seq, seq.num_computed))
+        saved = self.pool.read(self.position_slots(seq, 0, seq.num_computed))
         self.free(seq)
         return saved
 
@@ -332,14 +332,7 @@ class PagedCache(KVCache):
         self.tables[seq.request_id] = []
         self.sequences[seq.request_id] = seq
         self.ensure_capacity(seq, seq.num_computed)
-        self.pool.restore(self._slots(seq, seq.num_computed), saved)
-
-    def _slots(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
-        """Pool slots of positions [0, num_tokens) of `seq`."""
-        table = torch.tensor(self.tables[seq.request_id], dtype=torch.long)
-        positions = torch.arange(num_tokens)
-        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
-        return slots.to(self.pool.device)
+        self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
 
     # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:
@@ -357,6 +350,20 @@ class PagedCache(KVCache):
             self.index.insert(tokens, table, seq.salt, partial=sole_owner)
         # Tail blocks first: they become the least recently used, so evicted first.
         return [b for b in reversed(table) if self.allocator.decref(b, self._indexed(b))]
+
+    def _trim(self, seq: Sequence) -> list[int]:
+        """Speculative rollback: blocks past the kept tokens held only rejected drafts
+        (never published, never shared): they go straight back to the free list."""
+        table = self.tables[seq.request_id]
+        keep = ceil_div(seq.num_computed, self.block_size)
+        dropped = table[keep:]
+        for block in dropped:
+            require(
+                self.allocator.ref_counts[block] == 1 and not self._indexed(block),
+                f"block {block} past request {seq.request_id}'s tokens is shared or indexed",
+            )
+        del table[keep:]
+        return [b for b in dropped if self.allocator.decref(b)]
 
     # --- accounting ----------------------------------------------------------------
     def block_table(self, seq: Sequence) -> list[int]:

@@ -69,6 +69,11 @@ class KVPool:
         self.codec.load(slots, saved)
 
     @torch.inference_mode()
+    def discard(self, slots: torch.Tensor) -> None:
+        """Rejected speculative drafts' slots: the codec rolls back what their writes left."""
+        self.codec.discard(slots)
+
+    @torch.inference_mode()
     def poison(self, slots: torch.Tensor) -> None:
         """Fill slots with NaN (debug mode): any later read of them corrupts the output."""
         self.codec.poison(slots)

@@ -57,6 +57,17 @@ class Engine:
 
             self.runner.attention_fn = KernelAttention(self.cache.block_size)
         self.scheduler = Scheduler(self.config, self.cache)
+        self.speculator = None
+        if self.config.speculative is not None:
+            from kvlab.spec.speculator import Speculator
+
+            self.speculator = Speculator(
+                self.config.speculative,
+                self.runner,
+                self.cache,
+                self.max_model_len,
+                record=self.config.record_block_map,
+            )
         self.telemetry = Telemetry()
         self.eos_ids = _eos_ids(model)
         self.finished: list[RequestOutput] = []  # every finished request, in finish order
@@ -175,51 +186,86 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batched forward (prefill or decode); return requests that finished."""
         now = self.clock()
+        if self.speculator:
+            self.speculator.plan(self.scheduler.running)
         batch = self.scheduler.schedule(now)
         if batch is None:
             self._check_not_stalled(now)
             self._wait_for_arrival()
             return []
         started = time.perf_counter()
+        if self.speculator:
+            self.speculator.draft(batch)  # a draft model runs inside the step's time
         logits = self._forward(batch)
         finished = self._advance(batch, logits)
         self._record(batch, time.perf_counter() - started)
         return finished
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
-        """One forward for the whole batch -> logits (B, vocab) at each last new token."""
-        starts, ids, tables = [], [], []
+    def _forward(self, batch: Batch) -> list[torch.Tensor]:
+        """One forward for the whole batch -> per row, logits (1, vocab) at its last new
+        token, or (1 + drafts, vocab) at every token of a row carrying drafts."""
+        starts, ids, tables, wanted = [], [], [], []
         for seq, n in batch:  # the scheduler has already secured their blocks
-            starts.append(seq.num_computed)
-            ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+            start = seq.num_computed
+            starts.append(start)
+            ids.extend((seq.token_ids + seq.draft_ids)[start : start + n])
             tables.append(self.cache.block_table(seq))
+            rows = n if seq.draft_ids else 1
+            wanted.extend(range(len(ids) - rows, len(ids)))
         device = self.runner.device
         meta = build_attention_metadata(
             starts, batch.num_new_tokens, tables, self.cache.block_size, device
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        return self.runner.forward(input_ids, meta, self.cache.pool)
+        at = torch.tensor(wanted, device=device) if len(wanted) > len(batch.seqs) else None
+        logits = self.runner.forward(input_ids, meta, self.cache.pool, logits_at=at)
+        return list(logits.split([n if s.draft_ids else 1 for s, n in batch]))
 
-    def _advance(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
+    def _advance(self, batch: Batch, logits: list[torch.Tensor]) -> list[RequestOutput]:
         now, finished = self.clock(), []
         for seq, n in batch:
             seq.num_computed += n
-        # A prompt chunk yields no token until the whole prompt is in the cache.
-        ready = [row for row, seq in enumerate(batch.seqs) if seq.num_pending == 0]
-        tokens = sample(logits[ready], [batch.seqs[row] for row in ready])
-        for row, token in zip(ready, tokens):
+        # A prompt chunk yields no token until the whole prompt is in the cache; a row
+        # carrying drafts is verified first (kvlab.spec), the others sample one token.
+        ready = [row for row, seq in enumerate(batch.seqs) if seq.num_pending <= 0]
+        plain = [row for row in ready if not batch.seqs[row].draft_ids]
+        sampled = sample(
+            torch.cat([logits[row] for row in plain]) if plain else logits[0][:0],
+            [batch.seqs[row] for row in plain],
+        )
+        tokens = {row: [token] for row, token in zip(plain, sampled)}
+        for row in ready:
             seq = batch.seqs[row]
+            speculated = bool(seq.draft_ids) or seq.spec_room > 0
+            if seq.draft_ids:
+                tokens[row] = self.speculator.verify(seq, logits[row])
             members = [seq]
             if seq.first_token_s is None:
-                members += self._fork(seq, logits[row])
-            seq.output_ids.append(token)
+                members += self._fork(seq, logits[row][-1])
+            before = len(seq.output_ids)  # 0: this is the request's first token
+            reason = self._emit(seq, tokens[row])
+            if self.speculator and before:
+                self.speculator.count_decode(len(seq.output_ids) - before)
+            if speculated:
+                self.speculator.rollback(seq)
             for member in members:
                 member.first_token_s = member.first_token_s or now
-                reason = self._finish_reason(member, member.output_ids[-1])
+                if member is not seq:
+                    reason = self._finish_reason(member, member.output_ids[-1])
                 if reason:
                     finished.extend(self._retire(member, reason, now))
         self.finished.extend(finished)
         return finished
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> str | None:
+        """Append a row's tokens (one, or verified drafts + one) up to the first that
+        finishes the request; return the finish reason, if any."""
+        for token in tokens:
+            seq.output_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                return reason
+        return None
 
     def _retire(self, seq: Sequence, reason: str, now: float) -> list[RequestOutput]:
         seq.finish_s, seq.finish_reason = now, reason
@@ -431,6 +477,13 @@ class Engine:
                         remaining -= 1
                 bar.update(sum(len(s.output_ids) for s in seqs) - before)
         return list(wanted.values())
+
+    def spec_stats(self) -> dict[str, float]:
+        """What speculative decoding did so far: drafted, accepted and rejected tokens,
+        acceptance rate, output tokens per target forward, blocks rolled back."""
+        if self.speculator is None:
+            raise ValueError("spec_stats() needs EngineConfig(speculative=...)")
+        return self.speculator.stats.as_dict()
 
     def stats(self) -> pd.DataFrame:
         """Per-step telemetry as a DataFrame (one row per step)."""

@@ -21,6 +21,12 @@ def sample_one(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
     """Temperature, then top-k, then top-p (nucleus) filtering, then one multinomial draw."""
+    return draw(probabilities(logits, params), generator)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution one token is drawn from: (vocab,) logits -> (vocab,) float32 probs
+    after temperature, top-k and top-p (nucleus) filtering."""
     logits = logits.float() / params.temperature  # (vocab,)
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -31,5 +37,9 @@ def sample_one(
         # Drop a token once the tokens before it already cover top_p of the mass.
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
         logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
+    return logits.softmax(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id from (vocab,) probabilities."""
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())

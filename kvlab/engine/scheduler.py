@@ -34,7 +34,7 @@ Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
 @dataclass
 class Batch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence: a prompt (chunk), or 1 in decode
+    num_new_tokens: list[int]  # per sequence: a prompt (chunk), or 1 + drafts in decode
     phase: str = ""  # "prefill" | "decode" | "mixed", fixed when the batch is built
     admitted: list[Sequence] = field(default_factory=list)  # started their prompt this step
 
@@ -52,8 +52,8 @@ class Batch:
 
 
 def is_decode(seq: Sequence, num_new: int) -> bool:
-    """One new token after the sequence's own last sampled one (not a prompt token)."""
-    return num_new == 1 == seq.num_pending and bool(seq.output_ids)
+    """The sequence's own last sampled token, and any drafts after it (not prompt tokens)."""
+    return seq.num_pending == 1 and bool(seq.output_ids)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class Scheduler:
             rows = rows or self._decodes(decoding, budget)
         elif self.config.schedule_order == "decode-first":
             rows = self._decodes(decoding, budget)
-            rows += self._prefills(now, budget - len(rows), admitting, admitted)
+            rows += self._prefills(now, budget - sum(n for _, n in rows), admitting, admitted)
         else:
             rows = self._prefills(now, budget, admitting, admitted)
             rows += self._decodes(decoding, budget - sum(n for _, n in rows))
@@ -174,7 +174,7 @@ class Scheduler:
         if not rows:
             return None
         for seq, n in rows:  # full blocks filled by this step (decodes, later chunks)
-            self._publish(seq, n)
+            self._publish(seq, min(n, seq.num_pending))  # drafts are never published
         batch = Batch([s for s, _ in rows], [n for _, n in rows])
         batch.admitted = [s for s in admitted if s in batch.seqs]
         if batch.phase != "prefill":
@@ -186,7 +186,16 @@ class Scheduler:
 
     @staticmethod
     def _decodes(decoding: list[Sequence], budget: int) -> list[Row]:
-        return [(s, 1) for s in decoding[: max(budget, 0)]]
+        """One token per decoding sequence, plus the drafts it carries (speculative
+        decoding) while the budget lasts; the budget cuts drafts before decodes."""
+        chosen = decoding[: max(budget, 0)]
+        spare = max(budget, 0) - len(chosen)  # tokens left beyond one per decode
+        rows: list[Row] = []
+        for seq in chosen:
+            seq.spec_room = min(seq.spec_room, spare)
+            spare -= seq.spec_room
+            rows.append((seq, 1 + seq.spec_room))
+        return rows
 
     def _prefills(
         self,
@@ -290,6 +299,7 @@ class Scheduler:
         """Take a running sequence's blocks away; it resumes exactly where it stopped.
         `cause` says why, on the victim's notes (default: preempted by hand)."""
         self.running.remove(victim)
+        victim.draft_ids, victim.spec_room = [], 0
         self.preemptions += 1
         victim.preemptions += 1
         victim.preempted_at = self._now

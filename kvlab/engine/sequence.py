@@ -57,6 +57,10 @@ class Sequence:
     preempted_at: float | None = None  # engine clock when last preempted, until resumed
     stall_s: float = 0.0  # total time spent preempted
     notes: list[Note] = field(default_factory=list)  # prefix misses, preemptions: why
+    # Speculative decoding: tokens drafted for this step (never in token_ids until
+    # verified), and the drafts the scheduler reserves slots for beyond the pending token.
+    draft_ids: list[int] = field(default_factory=list)
+    spec_room: int = 0
 
     @property
     def token_ids(self) -> list[int]:

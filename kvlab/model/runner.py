@@ -115,12 +115,14 @@ class ModelRunner:
         meta: AttentionMetadata,
         pool: KVPool,
         all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step for the whole batch.
 
         input_ids: (T,) new tokens, packed sequence by sequence.
         Returns logits (B, vocab) at each sequence's last new token, or (T, vocab) if
-        `all_logits` (teacher-forced scoring).
+        `all_logits` (teacher-forced scoring), or (len(logits_at), vocab) at the rows of T
+        `logits_at` names (speculative verification).
         """
         h = self.embed[input_ids]  # (T, hidden)
         cos, sin = self.rope(meta.positions)
@@ -140,6 +142,8 @@ class ModelRunner:
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w.down)
-        if not all_logits:
+        if logits_at is not None:
+            h = h[logits_at]  # (R, hidden)
+        elif not all_logits:
             h = h[meta.last_token_index]  # (B, hidden)
         return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head).float()

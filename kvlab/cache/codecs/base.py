@@ -9,6 +9,8 @@ Block copies (copy-on-write, swap, partial prefix hits) move its stored codes as
 Capabilities, as class attributes: `alignment` (slots are used in aligned runs of that
 many positions), `window_tokens` (tokens per sequence held outside `token_bytes`),
 `has_kernel` (kvlab.kernels reads this layout in place), `describe` (one line).
+Speculative decoding asks `draft_room` (how far drafts may write) and calls `discard`
+on rejected drafts' slots.
 """
 
 from __future__ import annotations
@@ -92,6 +94,16 @@ class KVCodec(ABC):
     def copy(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """The codes of `source` slots into `target` slots, in every layer (bit-exact)."""
         self.load(target, self.export(source))
+
+    def draft_room(self, position: int) -> int:
+        """Most draft tokens a sequence whose next write lands at `position` may write this
+        step (speculative decoding). Token-by-token codecs have no limit."""
+        return 1 << 30
+
+    def discard(self, slots: torch.Tensor) -> None:
+        """Rejected drafts' slots (N,): roll back any state their writes left (a token
+        codec has none: the slots are simply overwritten later)."""
+        return None
 
     def check_finite(self, layer: int, **tensors: torch.Tensor) -> None:
         for what, x in tensors.items():

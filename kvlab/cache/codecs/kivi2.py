@@ -193,6 +193,19 @@ class Kivi2(KVCodec):
             if buf is not None:
                 self.free_buffers.append(buf)
 
+    # --- speculative drafts -----------------------------------------------------------
+    def draft_room(self, position: int) -> int:
+        """Drafts never complete a key group: a group quantized over rejected tokens could
+        not be rolled back (its window is gone), so drafting stops one short of the
+        group's last slot, and the ordinary write of that slot completes it."""
+        return max(0, self.group - 2 - position % self.group)
+
+    def discard(self, slots: torch.Tensor) -> None:
+        """Unmark rejected drafts in their group's window: the group stays incomplete."""
+        bufs = self.staged[:, slots // self.group]  # (L, N)
+        layer, col = (bufs >= 0).nonzero(as_tuple=True)
+        self.filled[bufs[layer, col], layer, slots[col] % self.group] = False
+
     # --- read ---------------------------------------------------------------------------
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         groups = slots // self.group
