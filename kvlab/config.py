@@ -73,6 +73,9 @@ class EngineConfig:
         speculative: speculative decoding, a kvlab.spec.SpeculativeConfig (or a dict of
             its fields, as vLLM's speculative_config): e.g. {"method": "ngram",
             "num_speculative_tokens": 4}. None decodes one token per step.
+        tensor_parallel_size: run the model as this many processes on this machine
+            (kvlab.parallel: each holds its share of the heads, MLP and KV heads; gloo
+            all-reduces). It must divide the model's attention heads.
     """
 
     cache: str = "naive"  # a name in kvlab.cache.CACHES
@@ -94,6 +97,7 @@ class EngineConfig:
     record_block_map: bool = False
     kv_codec: str | None = None
     speculative: SpeculativeConfig | dict | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         from kvlab.cache import CACHES, PREFIX_INDEXES
@@ -138,6 +142,18 @@ class EngineConfig:
         _require(
             0 <= self.watermark < 1, f"EngineConfig.watermark={self.watermark} must be in [0, 1)"
         )
+        tp = self.tensor_parallel_size
+        _require(tp >= 1, f"EngineConfig.tensor_parallel_size={tp} must be >= 1")
+        if tp > 1:
+            _require(
+                self.attention == "torch",
+                f"EngineConfig.attention={self.attention!r} needs tensor_parallel_size=1",
+            )
+            _require(
+                self.speculative is None or self.speculative.method != "layers",
+                "EngineConfig.speculative method 'layers' (a draft made of the runner's "
+                "layers) needs tensor_parallel_size=1",
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")

@@ -203,3 +203,11 @@ def test_gpu_check_kernels_need_only_torch_and_triton():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "True"
+
+
+def test_tensor_parallel(tiny_model_path, capsys):
+    result = run_script("tensor_parallel", tiny_model_path, "--sizes", "1", "2", "4")
+    rows = result["tensor_parallel"]
+    assert [rows[tp]["kv_heads_per_rank"] for tp in ("1", "2", "4")] == [2, 1, 1]
+    assert all(row["identical_to_tp1"] for row in rows.values())
+    assert rows["2"]["all_reduces_per_step"] == rows["4"]["all_reduces_per_step"] == 4

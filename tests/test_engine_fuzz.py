@@ -3,9 +3,11 @@ input, on random engine configs, must leave the engine consistent.
 
 After every rule: `check_integrity()`, telemetry consistent, no stall while work is queued.
 At the end: every request finished, each greedy (or seeded) sample equal to its solo run on
-an unpressured naive engine with the same KV codec (a cancelled one a prefix of it; kivi2,
-whose outputs depend on where its key groups are split, is checked for consistency only),
-every block free or cached.
+an unpressured naive engine with the same KV codec and no speculation (a cancelled one a
+prefix of it; kivi2, whose outputs depend on where its key groups are split, and seeded
+samples under speculative decoding, whose rejection sampling draws other random numbers,
+are checked for consistency only), every block free or cached. With speculation, after
+every rule no sequence holds drafts or blocks past its tokens.
 
 The suite runs a fast, derandomized profile. A soak: `KVLAB_FUZZ_EXAMPLES=2000 pytest
 tests/test_engine_fuzz.py` (random seeds; hypothesis prints the shrunk failing program).
@@ -35,6 +37,9 @@ MAX_MODEL_LEN = 128
 STALL_STEPS = 200  # steps without a new token while work is queued: a livelock
 EXAMPLES = int(os.environ.get("KVLAB_FUZZ_EXAMPLES", "0"))
 SOAK = EXAMPLES > 0
+SPECULATIVE = [None, None, {"method": "ngram", "num_speculative_tokens": 1},
+               {"method": "ngram", "num_speculative_tokens": 4},
+               {"method": "layers", "num_speculative_tokens": 2, "draft_layers": 1}]  # fmt: skip
 PREFIXES = ([5 + (7 * j) % 400 for j in range(40)], [900 + (13 * j) % 500 for j in range(40)])
 
 
@@ -55,6 +60,7 @@ def engine_configs(draw) -> dict:
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
         preemption=draw(st.sampled_from(["recompute", "swap"])),
         poison_freed=draw(st.booleans()),
+        speculative=draw(st.sampled_from(SPECULATIVE)),
     )
     if cache == "naive":
         config["kv_budget_tokens"] = MAX_MODEL_LEN * draw(st.integers(1, 3))
@@ -128,7 +134,8 @@ class EngineMachine(RuleBasedStateMachine):
     oracle: Oracle | None = None
     requests = Bundle("requests")
     counts = {"examples": 0, "rules": 0, "steps": 0, "finished": 0, "compared": 0,
-              "preempted": 0, "swapped": 0, "prefix_hits": 0, "forks": 0}  # fmt: skip
+              "preempted": 0, "swapped": 0, "prefix_hits": 0, "forks": 0,
+              "drafted": 0, "accepted": 0}  # fmt: skip
 
     @initialize(config=engine_configs())
     def build(self, config):
@@ -221,6 +228,11 @@ class EngineMachine(RuleBasedStateMachine):
         if stats:
             row = stats[-1]
             assert row.blocks_used + row.blocks_free == self.engine.cache.num_blocks
+        for seq in self.engine.scheduler.running:  # speculation rolled back past its drafts
+            assert not seq.draft_ids and seq.num_computed <= seq.num_tokens
+            if seq.output_ids and self.engine.cache.name == "paged":
+                held = len(self.engine.cache.block_table(seq)) * self.engine.cache.block_size
+                assert held < seq.num_tokens + self.engine.cache.block_size
 
     def _queued(self) -> tuple[int, int, int]:
         s = self.engine.scheduler
@@ -256,6 +268,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.counts["swapped"] += engine.scheduler.swapped_bytes > 0
         self.counts["prefix_hits"] += sum(o.metrics.prefix_hit_tokens > 0 for o in engine.finished)
         self.counts["forks"] += sum(len(o.samples) > 1 for o in engine.finished)
+        if engine.speculator:
+            self.counts["drafted"] += engine.spec_stats()["drafted"]
+            self.counts["accepted"] += engine.spec_stats()["accepted"]
         kv_codec = engine.config.kv_codec
         # kivi2 keeps each sequence's unfinished 16-token key group exact until it
         # completes, so its outputs depend on where prefill chunks and recomputes split
@@ -265,6 +280,8 @@ class EngineMachine(RuleBasedStateMachine):
             prompt, params = self.submitted[out.request_id]
             assert len(out.samples) == params.n or out.finish_reason == "cancelled"
             self.counts["compared"] += 1
+            if engine.speculator and not params.greedy:
+                continue  # rejection sampling draws other random numbers: same law only
             for i, sample in enumerate(out.samples):
                 expected = self.oracle.tokens(kv_codec, prompt, params, i)
                 if sample.finish_reason == "cancelled":

@@ -10,6 +10,7 @@ or, for continuous batching by hand: `add_request(...)`, then `step()` until
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,11 @@ class Engine:
         self.model = model
         self.config = config or EngineConfig()
         self.tokenizer = model.tokenizer
-        self.runner = ModelRunner(model.hf_model)
+        self.parallel = None  # tensor_parallel_size > 1: the workers (kvlab.parallel)
+        if self.config.tensor_parallel_size > 1:
+            self.runner = self._start_tensor_parallel()
+        else:
+            self.runner = ModelRunner(model.hf_model)
         self.max_model_len = self._resolve_max_model_len()
         self.cache = make_cache(
             self.config,
@@ -52,6 +57,8 @@ class Engine:
             self.runner.device,
             self.max_model_len,
         )
+        if self.parallel is not None:
+            self.cache.pool = self.parallel.attach(self.cache.pool)
         if self.config.attention == "kernels":
             from kvlab.model.kernel_attention import KernelAttention
 
@@ -77,6 +84,22 @@ class Engine:
         self._start = time.perf_counter()
 
     # --- set-up ------------------------------------------------------------------------
+    def _start_tensor_parallel(self) -> ModelRunner:
+        from kvlab.parallel import check_tensor_parallel
+        from kvlab.parallel.worker import TensorParallel
+
+        cfg = self.model.config
+        tp = self.config.tensor_parallel_size
+        check_tensor_parallel(tp, cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.parallel = TensorParallel(self.model, tp)
+        weakref.finalize(self, self.parallel.close)
+        return self.parallel.runner
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
     def _resolve_max_model_len(self) -> int:
         cfg = self.model.config
         limit = cfg.max_position_embeddings

@@ -101,6 +101,11 @@ class ModelRunner:
             down=mlp.down_proj.weight,
         )
 
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's output over tensor-parallel ranks (identity here:
+        one process holds every head; kvlab.parallel's ShardedRunner all-reduces)."""
+        return partial
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the given positions: (T, head_dim) each."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, head_dim/2)
@@ -138,10 +143,10 @@ class ModelRunner:
             k = k * cos + rotate_half(k) * sin
             pool.write(index, meta.slot_mapping, k, v)
             attn = self.attention_fn(q, index, pool, meta, self.scale)  # (T, heads, head_dim)
-            h = h + F.linear(attn.reshape(-1, n_q), w.o)
+            h = h + self.reduce(F.linear(attn.reshape(-1, n_q), w.o))
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            h = h + self.reduce(F.linear(F.silu(gate) * up, w.down))
         if logits_at is not None:
             h = h[logits_at]  # (R, hidden)
         elif not all_logits:

@@ -1,0 +1,52 @@
+"""ShardedRunner: the model runner on one rank's slice of every layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from kvlab.cache.pool import KVPool
+from kvlab.cache.spec import KVSpec
+from kvlab.model.metadata import AttentionMetadata
+from kvlab.model.runner import ModelRunner
+from kvlab.parallel.shard import check_tensor_parallel, kv_heads_per_rank, shard_layer
+
+
+class ShardedRunner(ModelRunner):
+    """Rank `rank` of `tp`: its query heads, their KV heads and its MLP channels.
+
+    Embedding, norms and LM head are replicated (they are small); every rank computes the
+    logits, rank 0's are used. On rank 0, `forward` first sends the step to the workers
+    (`broadcast`), so every rank runs the same forward and meets at the all-reduces.
+    """
+
+    def __init__(self, hf_model: torch.nn.Module, rank: int, tp: int, broadcast=None):
+        super().__init__(hf_model)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        check_tensor_parallel(tp, heads, kv_heads)
+        self.rank, self.tp, self.broadcast = rank, tp, broadcast
+        self.layers = [
+            shard_layer(w, rank, tp, heads, kv_heads, self.head_dim) for w in self.layers
+        ]
+        self.num_heads = heads // tp
+        self.num_kv_heads = kv_heads_per_rank(tp, kv_heads)
+        self.kv_spec = KVSpec(len(self.layers), self.num_kv_heads, self.head_dim)
+        self.all_reduces = 0  # collectives this rank has joined (2 per layer per forward)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial)  # sum over ranks, in place
+        self.all_reduces += 1
+        return partial
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        pool: KVPool,
+        all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.broadcast is not None:  # rank 0: the workers run the same step
+            self.broadcast(("forward", input_ids, meta, all_logits, logits_at))
+        return super().forward(input_ids, meta, getattr(pool, "local", pool), all_logits,
+                               logits_at)  # fmt: skip
