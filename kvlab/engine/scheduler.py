@@ -129,6 +129,14 @@ class Scheduler:
         self.running.append(seq)
         self.events.append(Event(self._now, seq.request_id, RequestState.RUNNING))
 
+    def add_swapped(self, seq: Sequence, saved: object) -> None:
+        """A request whose KV arrives from elsewhere (another engine's prefill) waits in
+        `swapped` with it, and is swapped in like a preempted one."""
+        seq.status = RequestState.SWAPPED
+        self.swap_space[seq.request_id] = saved
+        bisect.insort(self.swapped, seq, key=queue_key)
+        self.events.append(Event(self._now, seq.request_id, RequestState.SWAPPED))
+
     def next_arrival(self) -> float | None:
         return min((s.arrival_s for s in self.waiting), default=None)
 

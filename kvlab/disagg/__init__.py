@@ -1,0 +1,19 @@
+"""Disaggregated prefill and decode, run for real as two processes on one machine.
+
+A prefill engine (a spawned process, `prefill.py`) computes each prompt's KV and its first
+token; the request's KV blocks then travel to the decode engine (this process) as the
+codec's stored bytes with a checksum (`transfer.py`), over a local socket (a
+multiprocessing pipe). The decode engine admits the request the way it swaps a preempted
+one back in: blocks allocated, stored KV restored, decoding continues from the first
+token. A transfer that arrives corrupted or truncated is detected and the request is
+recomputed from its prompt, never decoded on bad KV (`pair.py`).
+
+As vLLM's docs say of its disaggregated prefill: this does not raise throughput; it keeps
+long prompts' prefills from stalling the running decodes (time to first token decoupled
+from inter-token latency).
+"""
+
+from kvlab.disagg.pair import Disaggregated
+from kvlab.disagg.transfer import KVTransfer
+
+__all__ = ["Disaggregated", "KVTransfer"]

@@ -1,0 +1,145 @@
+"""Disaggregated: a decode engine here, a prefill engine in its own process."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence as Seq
+
+import torch.multiprocessing as mp
+
+from kvlab.config import EngineConfig, SamplingParams
+from kvlab.disagg.prefill import prefill_main
+from kvlab.disagg.transfer import KVTransfer
+from kvlab.engine.engine import Engine, Prompt
+from kvlab.engine.outputs import RequestOutput
+from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel
+
+
+@dataclasses.dataclass
+class TransferStats:
+    transfers: int = 0
+    bytes_moved: int = 0
+    rejected: int = 0  # corrupted or truncated: recomputed on the decode side
+    prefill_s: float = 0.0  # prefill steps' wall time on the prefill side
+
+
+class Disaggregated:
+    """Serve requests with prefill and decode on different engines (and processes).
+
+        pair = Disaggregated(model, EngineConfig(cache="paged"), EngineConfig(cache="paged"))
+        outputs = pair.generate(prompts, SamplingParams(max_new_tokens=64))
+        pair.close()
+
+    The decode engine (`pair.decode`) must swap (it admits transfers as swap-ins) and use
+    the prefill engine's KV codec. `fault` ("corrupt" | "truncate") spoils every transfer
+    after its checksum, to show detection and recompute.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        prefill: EngineConfig,
+        decode: EngineConfig,
+        fault: str | None = None,
+    ):
+        if prefill.kv_codec != decode.kv_codec:
+            raise ValueError(
+                f"prefill kv_codec={prefill.kv_codec!r} != decode kv_codec={decode.kv_codec!r}: "
+                "the stored KV moves as it is"
+            )
+        self.decode = Engine(model, decode)
+        if not self.decode.cache.swaps:
+            raise ValueError(f"the decode engine's cache={decode.cache!r} cannot admit KV "
+                             "from outside (it does not swap): use cache='paged'")  # fmt: skip
+        self.stats = TransferStats()
+        context = mp.get_context("spawn")
+        self.conn, child = context.Pipe()  # a local socket pair
+        name = None if model.name == EMBEDDED_MODEL else model.name
+        config = {f.name: getattr(prefill, f.name) for f in dataclasses.fields(prefill)}
+        self.worker = context.Process(
+            target=prefill_main,
+            args=(child, name, model.hf_model.dtype, config, fault),
+            daemon=True,
+        )
+        self.worker.start()
+        self._expect("ready")
+        self.prefill_blocks_held: int | None = None  # after close(): 0 means no leak
+        weakref.finalize(self, _stop, self.worker, self.conn)
+
+    def _expect(self, kind: str):
+        got, payload = self.conn.recv()
+        if got != kind:
+            raise RuntimeError(f"prefill process sent {got!r}, expected {kind!r}")
+        return payload
+
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        sampling_params: SamplingParams | None = None,
+        *,
+        chat: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Prefill every prompt over there, decode here; one output per prompt, in order."""
+        params = sampling_params or SamplingParams()
+        if params.n > 1:
+            raise ValueError(f"SamplingParams.n={params.n}: disaggregated serving runs n=1")
+        seqs = [self.decode.make_sequence(p, params, chat=chat) for p in prompts]  # validated
+        self.conn.send(("prefill", [(i, s.prompt_ids, params) for i, s in enumerate(seqs)]))
+        outputs: dict[int, RequestOutput] = {}
+        index_of: dict[int, int] = {}  # decode request id -> index
+        arrived = 0
+        while len(outputs) < len(seqs):
+            if arrived < len(seqs) and (self.conn.poll() or not self.decode.has_unfinished()):
+                transfer = self._expect("kv")
+                arrived += 1
+                request_id, done = self._admit(transfer, seqs[transfer.index])
+                index_of[request_id] = transfer.index
+                for out in done:
+                    outputs[index_of[out.request_id]] = out
+                continue
+            for out in self.decode.step():
+                if out.request_id in index_of:
+                    outputs[index_of[out.request_id]] = out
+        return [outputs[i] for i in range(len(seqs))]
+
+    def _admit(self, transfer: KVTransfer, seq) -> tuple[int, list[RequestOutput]]:
+        """Queue a transferred request as a swap-in (or, if its KV is bad, as a new
+        request to recompute). Returns its id and its output if its first token ends it."""
+        engine, stats = self.decode, self.stats
+        stats.transfers += 1
+        stats.bytes_moved += transfer.nbytes
+        stats.prefill_s += transfer.prefill_s
+        pool = engine.cache.pool  # grouped codecs (kivi2) also move their windows
+        exact = pool.bytes_per_token if pool.codec.alignment == 1 else None
+        if not transfer.intact(exact):
+            stats.rejected += 1
+            engine.enqueue(seq)  # recomputed from its prompt: never decoded on bad KV
+            return seq.request_id, []
+        seq.output_ids.append(transfer.first_token)
+        seq.num_computed = len(seq.prompt_ids)
+        seq.first_token_s = engine.clock()
+        reason = engine._finish_reason(seq, transfer.first_token)
+        if reason:
+            return seq.request_id, engine._retire(seq, reason, engine.clock())
+        engine.scheduler.add_swapped(seq, transfer.stored)
+        return seq.request_id, []
+
+    def close(self) -> None:
+        """Stop the prefill process; `prefill_blocks_held` is its cache's count at exit."""
+        if self.worker.is_alive():
+            self.conn.send(("stop", None))
+            self.prefill_blocks_held = self._expect("stopped")
+            self.worker.join(timeout=30)
+        _stop(self.worker, self.conn)
+
+
+def _stop(worker, conn) -> None:
+    if worker.is_alive():
+        try:
+            conn.send(("stop", None))
+        except (BrokenPipeError, OSError):
+            pass
+        worker.join(timeout=30)
+        if worker.is_alive():
+            worker.kill()

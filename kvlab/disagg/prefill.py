@@ -1,0 +1,72 @@
+"""The prefill engine's process: prompts in, KVTransfers out."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvlab.config import EngineConfig, SamplingParams
+from kvlab.disagg.transfer import KVTransfer, checksum
+
+
+def _damage(transfer: KVTransfer, fault: str) -> None:
+    """Test hook: spoil a transfer after its checksum is taken."""
+    name = sorted(transfer.stored.tensors)[0]
+    tensor = transfer.stored.tensors[name]
+    if fault == "truncate":
+        transfer.stored.tensors[name] = tensor[:, : max(1, tensor.shape[1] // 2)].clone()
+    elif fault == "corrupt":
+        flat = tensor.view(torch.uint8).reshape(-1)
+        flat[len(flat) // 2] ^= 0xFF
+
+
+def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str | None) -> None:
+    """Loop: receive (index, prompt_ids, params) batches, prefill them, send transfers.
+
+    Each request runs until its first token; its KV is read out (the codec's stored
+    bytes), checksummed and sent, and the request is cancelled, freeing its blocks.
+    """
+    from kvlab.engine.engine import Engine
+    from kvlab.model.loading import load_model
+
+    torch.set_num_threads(1)
+    engine = Engine(load_model(model_name, device="cpu", dtype=dtype, progress=False),
+                    EngineConfig(**config))  # fmt: skip
+    conn.send(("ready", None))
+    while True:
+        kind, batch = conn.recv()
+        if kind == "stop":
+            engine.cache.check_integrity()
+            conn.send(("stopped", engine.cache.num_blocks - engine.cache.num_available))
+            return
+        ids = {}
+        for index, prompt_ids, params in batch:
+            ids[engine.add_request(prompt_ids, _first_token_only(params))] = (index, params)
+        while ids:
+            started = time.perf_counter()
+            engine.step()
+            took = time.perf_counter() - started
+            for seq in list(engine.scheduler.running):
+                if seq.request_id not in ids or not seq.output_ids:
+                    continue
+                index, params = ids.pop(seq.request_id)
+                cache = engine.cache
+                stored = cache.pool.read(cache.position_slots(seq, 0, seq.num_computed))
+                digest = checksum(stored)
+                transfer = KVTransfer(
+                    index, seq.prompt_ids, params, seq.output_ids[0], cache.pool.kv_codec,
+                    stored, digest, took,
+                )  # fmt: skip
+                if fault:
+                    _damage(transfer, fault)
+                engine.cancel(seq.request_id)
+                conn.send(("kv", transfer))
+
+
+def _first_token_only(params: SamplingParams) -> SamplingParams:
+    """Keep the request running past its first token (so its blocks are still there to
+    read out); it is cancelled right after."""
+    return SamplingParams(max_new_tokens=max(2, params.max_new_tokens),
+                          temperature=params.temperature, top_k=params.top_k,
+                          top_p=params.top_p, seed=params.seed, ignore_eos=True)  # fmt: skip
