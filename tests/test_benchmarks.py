@@ -211,3 +211,11 @@ def test_tensor_parallel(tiny_model_path, capsys):
     assert [rows[tp]["kv_heads_per_rank"] for tp in ("1", "2", "4")] == [2, 1, 1]
     assert all(row["identical_to_tp1"] for row in rows.values())
     assert rows["2"]["all_reduces_per_step"] == rows["4"]["all_reduces_per_step"] == 4
+
+
+def test_disaggregated(tiny_model_path, capsys):
+    setups = run_script("disaggregated", tiny_model_path)["setups"]
+    assert set(setups) == {"colocated", "colocated+chunked", "disaggregated"}
+    assert all(row["identical_to_colocated"] for row in setups.values())
+    assert setups["disaggregated"]["bytes_moved"] > 0
+    assert setups["disaggregated"]["transfers_rejected"] == 0

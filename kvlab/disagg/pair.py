@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from collections.abc import Sequence as Seq
 
@@ -14,6 +15,7 @@ from kvlab.disagg.transfer import KVTransfer
 from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
 from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel
+from kvlab.workloads import Request
 
 
 @dataclasses.dataclass
@@ -82,25 +84,54 @@ class Disaggregated:
     ) -> list[RequestOutput]:
         """Prefill every prompt over there, decode here; one output per prompt, in order."""
         params = sampling_params or SamplingParams()
+        return self._serve([self._sequence(p, params, chat, 0.0) for p in prompts])
+
+    def run(self, requests: Seq[Request], *, ignore_eos: bool = False) -> list[RequestOutput]:
+        """Serve a workload (kvlab.workloads): request i is sent to the prefill engine
+        `arrival_s` after the call. One output per request, in order."""
+        offset = self.decode.clock()
+        seqs = [
+            self._sequence(r.prompt, SamplingParams(max_new_tokens=r.max_new_tokens,
+                           ignore_eos=ignore_eos), None, offset + r.arrival_s)
+            for r in requests
+        ]  # fmt: skip
+        return self._serve(seqs)
+
+    def _sequence(self, prompt: Prompt, params: SamplingParams, chat, arrival_s: float):
         if params.n > 1:
             raise ValueError(f"SamplingParams.n={params.n}: disaggregated serving runs n=1")
-        seqs = [self.decode.make_sequence(p, params, chat=chat) for p in prompts]  # validated
-        self.conn.send(("prefill", [(i, s.prompt_ids, params) for i, s in enumerate(seqs)]))
+        return self.decode.make_sequence(prompt, params, chat=chat, arrival_s=arrival_s)
+
+    def _serve(self, seqs: list) -> list[RequestOutput]:
+        """Send prompts as they arrive, admit transfers as they come back, decode."""
+        engine = self.decode
+        unsent = sorted(range(len(seqs)), key=lambda i: seqs[i].arrival_s)
         outputs: dict[int, RequestOutput] = {}
         index_of: dict[int, int] = {}  # decode request id -> index
-        arrived = 0
+        in_flight = 0
         while len(outputs) < len(seqs):
-            if arrived < len(seqs) and (self.conn.poll() or not self.decode.has_unfinished()):
+            due = [i for i in unsent if seqs[i].arrival_s <= engine.clock()]
+            if due:
+                unsent = unsent[len(due) :]
+                batch = [(i, seqs[i].prompt_ids, seqs[i].params) for i in due]
+                self.conn.send(("prefill", batch))
+                in_flight += len(due)
+            busy = engine.has_unfinished()
+            wait = 0 if busy else (seqs[unsent[0]].arrival_s - engine.clock() if unsent else None)
+            if in_flight and self.conn.poll(wait if wait is None else max(wait, 0)):
                 transfer = self._expect("kv")
-                arrived += 1
+                in_flight -= 1
                 request_id, done = self._admit(transfer, seqs[transfer.index])
                 index_of[request_id] = transfer.index
                 for out in done:
-                    outputs[index_of[out.request_id]] = out
+                    outputs[transfer.index] = out
                 continue
-            for out in self.decode.step():
-                if out.request_id in index_of:
-                    outputs[index_of[out.request_id]] = out
+            if busy:
+                for out in engine.step():
+                    if out.request_id in index_of:
+                        outputs[index_of[out.request_id]] = out
+            elif not in_flight and unsent:
+                time.sleep(max(0.0, min(seqs[unsent[0]].arrival_s - engine.clock(), 1.0)))
         return [outputs[i] for i in range(len(seqs))]
 
     def _admit(self, transfer: KVTransfer, seq) -> tuple[int, list[RequestOutput]]:
@@ -119,6 +150,7 @@ class Disaggregated:
         seq.output_ids.append(transfer.first_token)
         seq.num_computed = len(seq.prompt_ids)
         seq.first_token_s = engine.clock()
+        seq.token_times.append(seq.first_token_s)
         reason = engine._finish_reason(seq, transfer.first_token)
         if reason:
             return seq.request_id, engine._retire(seq, reason, engine.clock())

@@ -266,7 +266,7 @@ class Engine:
             if seq.first_token_s is None:
                 members += self._fork(seq, logits[row][-1])
             before = len(seq.output_ids)  # 0: this is the request's first token
-            reason = self._emit(seq, tokens[row])
+            reason = self._emit(seq, tokens[row], now)
             if self.speculator and before:
                 self.speculator.count_decode(len(seq.output_ids) - before)
             if speculated:
@@ -280,11 +280,12 @@ class Engine:
         self.finished.extend(finished)
         return finished
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> str | None:
+    def _emit(self, seq: Sequence, tokens: list[int], now: float) -> str | None:
         """Append a row's tokens (one, or verified drafts + one) up to the first that
         finishes the request; return the finish reason, if any."""
         for token in tokens:
             seq.output_ids.append(token)
+            seq.token_times.append(now)
             reason = self._finish_reason(seq, token)
             if reason:
                 return reason
@@ -428,6 +429,7 @@ class Engine:
             first.prefix_hit_tokens,
             sum(m.preemptions for m in group),
             max(m.stall_s for m in group),
+            tuple(first.token_times),
         )
         return RequestOutput(
             first.request_id,

@@ -19,6 +19,13 @@ class RequestMetrics:
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     preemptions: int = 0  # times its KV was taken away (swapped or dropped)
     stall_s: float = 0.0  # time spent preempted
+    token_times: tuple[float, ...] = ()  # when each output token (of sample 0) was emitted
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive output tokens (tokens a
+        speculative step emits together have gaps of 0)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     @property
     def ttft_s(self) -> float:

@@ -60,6 +60,7 @@ class Sequence:
     # Speculative decoding: tokens drafted for this step (never in token_ids until
     # verified), and the drafts the scheduler reserves slots for beyond the pending token.
     draft_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # engine clock per output token
     spec_room: int = 0
 
     @property
