@@ -1,0 +1,46 @@
+"""Notebook 12's figures: KV per rank under tensor parallelism, latency colocated vs
+disaggregated."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+
+def kv_per_rank_figure(rows: dict[int, dict], kv_heads: int) -> go.Figure:
+    """Bars of KV bytes per token on each rank against tensor_parallel_size (rows from
+    kvlab.experiments.tensor_parallel.run_tp), marking where KV heads start replicating."""
+    sizes = list(rows)
+    figure = go.Figure(
+        go.Bar(
+            x=[f"tp={tp}" for tp in sizes],
+            y=[rows[tp]["kv_bytes_per_token_per_rank"] for tp in sizes],
+            text=[f"{rows[tp]['kv_heads_per_rank']} KV head(s)" for tp in sizes],
+            textposition="outside",
+        )
+    )
+    figure.update_layout(
+        title=f"KV bytes per token on each rank ({kv_heads} KV heads, replicated past "
+        f"tp={kv_heads})",
+        yaxis_title="bytes per token per rank",
+        height=380,
+    )
+    return figure
+
+
+def latency_figure(setups: dict[str, dict]) -> go.Figure:
+    """Grouped bars: TTFT p50 and ITL p50/p99 per setup (rows from
+    kvlab.experiments.disagg.compare)."""
+    names = list(setups)
+    figure = go.Figure(
+        [
+            go.Bar(name=label, x=names, y=[setups[n][metric][p] * 1e3 for n in names])
+            for label, metric, p in (
+                ("TTFT p50", "ttft_s", "p50"),
+                ("ITL p50", "itl_s", "p50"),
+                ("ITL p99", "itl_s", "p99"),
+            )
+        ]
+    )
+    figure.update_layout(barmode="group", yaxis_title="ms", height=380,
+                         title="Long prompts among running decodes")  # fmt: skip
+    return figure
