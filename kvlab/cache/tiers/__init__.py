@@ -14,6 +14,11 @@ A new tier is one file with a `@TIERS.register("name")` class implementing `Tier
 
 from __future__ import annotations
 
+from kvlab.cache.tiers.base import Tier, TierStats
+from kvlab.registry import Registry
+
+TIERS: Registry[type[Tier]] = Registry("KV tier", "tiers.tiers")
+
 # isort: off
 from kvlab.cache.tiers.host import HostTier  # noqa: E402  (registers "host")
 from kvlab.cache.tiers.disk import DiskTier  # noqa: E402  (registers "disk")
