@@ -37,10 +37,14 @@ class Turn:
     session_id: str
     turn: int
     request_id: int
-    prompt_tokens: int
+    prompt_ids: tuple[int, ...]
     hit_tokens: int  # prompt tokens whose K/V came from a cache (device or a tier)
     output_ids: tuple[int, ...]
     ttft_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def computed_tokens(self) -> int:
@@ -129,7 +133,7 @@ def run_sessions(
                 answer.append(end_token)
             history[session.session_id] = ids + answer
             m = out.metrics
-            done.append(Turn(session.session_id, t, out.request_id, len(ids),
+            done.append(Turn(session.session_id, t, out.request_id, tuple(ids),
                              m.prefix_hit_tokens, tuple(out.token_ids), m.ttft_s))  # fmt: skip
             if end_after and t == len(session.messages) - 1:
                 engine.end_session(session.session_id)
