@@ -85,17 +85,32 @@ def compare_tiering(
     concurrency: int = 2,
     configs: dict[str, TierConfig | None] | None = None,
     max_model_len: int = 2048,
+    end_after: bool = False,
+    observe: str | None = None,
+    every: int = 4,
 ) -> dict:
     """Every configuration on the same trace; the reduction in recomputed prompt tokens
-    against device-only caching, and whether every turn's greedy tokens are identical."""
+    against device-only caching, and whether every turn's greedy tokens are identical.
+    `end_after`: each session ends after its last turn (end_session frees its blocks).
+    `observe`: record `snapshot` frames of that configuration every `every` steps
+    (result["frames"], for viz.tiers.hierarchy_figure)."""
     pool_blocks = pool_tokens // block_size
     configs = configs if configs is not None else tier_configs(pool_blocks)
-    rows, reference = {}, None
+    rows, reference, observed = {}, None, []
     for name, tiers in configs.items():
         config = EngineConfig(**BASE, block_size=block_size, kv_budget_tokens=pool_tokens,
                               max_model_len=max_model_len, tiers=tiers)  # fmt: skip
+        frames: list[tuple[str, list[dict]]] = []
+
+        def record(engine, frames=frames, name=name):
+            steps = len(engine.telemetry.records)
+            if name == observe and steps % every == 0:
+                frames.append((f"step {steps}", snapshot(engine)))
+
         run = run_trace(model, sessions, config, max_new_tokens=max_new_tokens,
-                        concurrency=concurrency)  # fmt: skip
+                        concurrency=concurrency, end_after=end_after, on_step=record)  # fmt: skip
+        if name == observe:
+            observed = frames
         if reference is None:
             reference = run
         row = run["row"]
@@ -111,6 +126,7 @@ def compare_tiering(
         "working_set_blocks": working,
         "working_set_over_pool": working / pool_blocks,
         "configs": rows,
+        "frames": observed,
     }
 
 
@@ -202,3 +218,54 @@ def project_copy(block_bytes: int, link_gb_s: float) -> float:
     if link_gb_s <= 0:
         raise ValueError(f"link_gb_s={link_gb_s} must be > 0")
     return block_bytes / (link_gb_s * 1e9)
+
+
+def snapshot(engine) -> list[dict]:
+    """Where every block sits now: one row per block on the device (used or cached), in
+    each tier below, with the session whose conversation it holds ("shared" if several,
+    "-" if none is recorded)."""
+    cache, owners = engine.cache, {}
+    keyer = HashPrefixIndex(cache.block_size)
+    for sid, record in engine.sessions.records.items():
+        for tokens, salt in record.prefixes:
+            for key in keyer.keys(list(tokens), salt):
+                owners[key] = sid if owners.get(key, sid) == sid else "shared"
+    for seq in cache.sequences.values():  # running turns: their published blocks
+        if seq.session is not None:
+            for key in keyer.keys(seq.token_ids[: seq.num_computed], seq.salt):
+                owners[key] = (
+                    seq.session if owners.get(key, seq.session) == seq.session else "shared"
+                )
+    rows = []
+    key_of = cache.index.key_of if cache.index is not None else {}
+    for block in range(cache.num_blocks):
+        refs = cache.allocator.ref_counts[block]
+        if refs == 0 and block not in cache.allocator.cached:
+            continue
+        where = "device (used)" if refs else "device (cached)"
+        rows.append({"tier": where, "block": block, "session": owners.get(key_of.get(block), "-")})
+    connector = getattr(cache, "connector", None)
+    for tier in connector.stack.tiers if connector is not None else ():
+        for i, key in enumerate(tier.keys()):
+            rows.append({"tier": tier.name, "block": i, "session": owners.get(key, "-")})
+    return rows
+
+
+def policy_table(trace: dict):
+    """compare_tiering's result as a table: one row per configuration."""
+    import pandas as pd
+
+    rows = []
+    for name, row in trace["configs"].items():
+        tiers_ = row.get("tiers", {})
+        rows.append({
+            "config": name,
+            "computed tokens": row["computed_tokens"],
+            "reduction": round(row["recompute_reduction"], 3),
+            "identical": row["identical_outputs"],
+            "blocks offloaded": row.get("offloaded_blocks", 0),
+            "host hits": tiers_.get("host", {}).get("loads", 0),
+            "disk hits": tiers_.get("disk", {}).get("loads", 0),
+            "prefetched": row.get("prefetched_blocks", 0),
+        })  # fmt: skip
+    return pd.DataFrame(rows).set_index("config")
