@@ -96,16 +96,19 @@ class Sessions:
                 for k in keyer.keys(list(t), s)
             }
             connector = getattr(cache, "connector", None)
+            by_key = getattr(cache.index, "block_of", None)  # hash: every indexed key
             for tokens, salt in record.prefixes:
                 keys = keyer.keys(list(tokens), salt)
-                blocks = cache.index.match(list(tokens), salt).blocks
+                blocks = [by_key.get(k) for k in keys] if by_key is not None else (
+                    cache.index.match(list(tokens), salt).blocks)  # fmt: skip
                 for i, key in enumerate(keys):
                     if key in keep:
                         continue
-                    if i < len(blocks) and blocks[i] in cache.allocator.cached:
-                        cache._forget(blocks[i])
-                        if blocks[i] in cache.allocator.cached:
-                            cache.allocator.uncache(blocks[i])
+                    block = blocks[i] if i < len(blocks) else None
+                    if block is not None and block in cache.allocator.cached:
+                        cache._forget(block)
+                        if block in cache.allocator.cached:
+                            cache.allocator.uncache(block)
                         freed["device"] += 1
                     if connector is not None:
                         for tier in connector.discard(key):

@@ -17,7 +17,7 @@
 # # 10 · A KV hierarchy: host and disk tiers, sessions, and a connector named like vLLM's
 #
 # *Engine files shown here:* `kvlab/cache/tiers/` (`host.py`, `disk.py`, `stack.py`,
-# `policies.py`), `kvlab/cache/connector.py` (the vLLM-named interface),
+# `policies.py`, `connector.py`), `kvlab/cache/connector.py` (the vLLM-named interface),
 # `kvlab/cache/paged.py` (`_evict` demotes, `_allocate` promotes), `kvlab/sessions.py`
 # (`engine.end_session`, the TTL), `kvlab/multiturn.py` (the multi-turn chat trace),
 # `kvlab/experiments/tiers.py`, `kvlab/viz/tiers.py`.
@@ -155,9 +155,9 @@ for registry in (WRITE_POLICIES, LOAD_POLICIES):
         print(f"{name:18} {policy.describe}")
 
 # %%
-n, turns, pool = (10, 3, 1024) if FULL_SIZE else (5, 3, 320)
+n, turns, pool, new = (10, 3, 1024, 16) if FULL_SIZE else (4, 3, 384, 6)
 sessions = chat_sessions(n, turns, max_doc_chars=2500 if FULL_SIZE else 1200)
-trace = tier_exp.compare_tiering(model, sessions, pool_tokens=pool, max_new_tokens=8,
+trace = tier_exp.compare_tiering(model, sessions, pool_tokens=pool, max_new_tokens=new,
                                  end_after=True, observe="host+disk", every=3)  # fmt: skip
 print(f"{trace['sessions']} sessions, {trace['turns']} turns; device pool {trace['pool_blocks']} "
       f"blocks; working set {trace['working_set_blocks']} blocks "
@@ -173,7 +173,7 @@ tier_exp.policy_table(trace)
 viz.recompute_figure(trace)
 
 # %% [markdown]
-# The hierarchy of the `host+disk` run, drawn every three steps: move the slider. Each
+# The hierarchy of the `host+disk` run, drawn every three steps (the slider's labels): move the slider. Each
 # square is a block, coloured by the session whose conversation it holds. Blocks flow
 # from the device down to host and disk as other users' turns push them out, come back up
 # when their user returns, and vanish from every tier when the session ends.

@@ -320,6 +320,8 @@ class EngineMachine(RuleBasedStateMachine):
         )
         stack = engine.cache.connector.stack
         stack.check_integrity()
+        held = [t.held for t in stack.tiers if t.name == "host"]
+        assert not held or not held[0], "a swapped-out request still holds host-tier room"
         keyer, origin = HashPrefixIndex(engine.cache.block_size), {}
         for out in engine.finished:
             salt = self.salts[out.request_id]

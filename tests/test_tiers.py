@@ -159,3 +159,18 @@ def test_engine_config_needs_paged_hash_for_tiers():
         kvlab.EngineConfig(cache="paged", prefix_caching="hash", tiers={"tiers": ["host"]})
     with pytest.raises(ValueError, match="session_ttl_s=0 must be > 0"):
         kvlab.EngineConfig(session_ttl_s=0)
+
+
+def test_swapped_requests_take_room_in_the_host_tier():
+    host = HostTier(3)
+    for i in range(3):
+        host.put(key(i), None, stored(i))
+    evicted = host.hold(owner=7, blocks=2)  # a swapped-out request of two blocks
+    assert [k for k, _, _ in evicted] == [key(0), key(1)] and host.keys() == [key(2)]
+    host.check_integrity()
+    host.release(7)
+    host.put(key(3), None, stored(3))
+    assert host.keys() == [key(2), key(3)] and not host.held
+    host.hold(owner=8, blocks=5)  # more than the capacity: never refused, nothing cached stays
+    assert host.keys() == [] and host.held == {8: 5}
+    host.check_integrity()

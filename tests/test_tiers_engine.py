@@ -161,3 +161,23 @@ def test_sessions_driver_feeds_answers_back(tiny_model):
     assert second.hit_tokens >= (first.prompt_tokens + 3) // 16 * 16
     assert [s.session_id for s in e.sessions.ended] == ["user-00", "user-01"]
     assert e.cache.allocator.num_cached == 0
+
+
+def test_swap_preemption_goes_through_the_host_tier(tiny_model):
+    tiers = TierConfig(tiers=("host", "disk"), host_blocks=8, disk_blocks=64)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = [prompt(10 + i, 40) for i in range(4)]
+    cold = engine(tiny_model, None, pool_tokens=1024)
+    expected = [o.token_ids for o in cold.generate(prompts, params)]
+    e = engine(tiny_model, tiers, pool_tokens=128, admission="watermark", preemption="swap")
+    host = e.cache.connector.stack.tier("host")
+    seen_holds = []
+    for p in prompts:
+        e.add_request(p, params)
+    while e.has_unfinished():
+        e.step()
+        seen_holds.append(sum(host.held.values()))
+        e.cache.check_integrity()
+    assert e.scheduler.swapped_bytes > 0 and max(seen_holds) > 0
+    assert not host.held
+    assert [o.token_ids for o in sorted(e.finished, key=lambda o: o.request_id)] == expected

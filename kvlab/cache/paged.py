@@ -76,8 +76,8 @@ class PagedCache(KVCache):
         watermark = config.watermark if config.admission == "watermark" else None
         cache = cls(pool, config.block_size, max_model_len, config.poison_freed, index, watermark)
         if config.tiers is not None:  # the KV hierarchy below the pool
-            from kvlab.cache.connector import TierConnector
             from kvlab.cache.tiers import TierStack
+            from kvlab.cache.tiers.connector import TierConnector
 
             cache.connector = TierConnector(cache, TierStack.from_config(config.tiers))
         return cache
@@ -337,6 +337,8 @@ class PagedCache(KVCache):
     def swap_out(self, seq: Sequence) -> StoredKV:
         saved = self.pool.read(self.position_slots(seq, 0, seq.num_computed))
         self.free(seq)
+        if self.connector is not None:  # tiers: the swap space is the host tier's memory
+            self.connector.swap_out(seq, saved)
         return saved
 
     def can_swap_in(self, seq: Sequence, alone: bool = False) -> bool:
@@ -349,6 +351,11 @@ class PagedCache(KVCache):
         self.sequences[seq.request_id] = seq
         self.ensure_capacity(seq, seq.num_computed)
         self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
+        self.drop_swapped(seq)
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        if self.connector is not None:
+            self.connector.swap_done(seq)
 
     # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:

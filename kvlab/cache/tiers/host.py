@@ -2,6 +2,11 @@
 
 What it holds are the `StoredKV` tensors `KVPool.read` copied off the device (on a CPU
 machine, another buffer in the same RAM; on a GPU, pinned-free host memory across PCIe).
+
+Swap preemption goes through the same memory: a swapped-out request's blocks are *held*
+here (`hold`, counted against the capacity, evicting cached entries one tier down to make
+room) until it swaps back in or ends (`release`). A hold is never refused: the scheduler
+has already preempted; if holds alone exceed the capacity, no cached entry stays.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class HostTier(Tier):
         super().__init__(capacity_blocks)
         self.entries: OrderedDict[Key, tuple[str | None, StoredKV]] = OrderedDict()  # LRU first
         self._nbytes = 0
+        self.held: dict[int, int] = {}  # swapped-out request id -> blocks it holds here
 
     @classmethod
     def from_config(cls, config) -> HostTier:
@@ -52,14 +58,27 @@ class HostTier(Tier):
         self._nbytes += stored.nbytes
         self.stats.saves += 1
         self.stats.bytes_saved += stored.nbytes
+        evicted = self._make_room()
+        self.stats.save_s += time.perf_counter() - start
+        return evicted
+
+    def _make_room(self) -> list[Entry]:
         evicted = []
-        while len(self.entries) > self.capacity_blocks:
+        while self.entries and len(self.entries) + sum(self.held.values()) > self.capacity_blocks:
             old, (old_salt, old_stored) = self.entries.popitem(last=False)
             self._nbytes -= old_stored.nbytes
             self.stats.evictions += 1
             evicted.append((old, old_salt, old_stored))
-        self.stats.save_s += time.perf_counter() - start
         return evicted
+
+    def hold(self, owner: int, blocks: int) -> list[Entry]:
+        """A swapped-out request's `blocks` take room here; returns the entries evicted."""
+        self.held[owner] = blocks
+        return self._make_room()
+
+    def release(self, owner: int) -> None:
+        """The request swapped back in (or ended): its room is free again."""
+        self.held.pop(owner, None)
 
     def discard(self, key: Key) -> bool:
         entry = self.entries.pop(key, None)
@@ -83,9 +102,16 @@ class HostTier(Tier):
         return self._nbytes
 
     def check_integrity(self) -> None:
-        require(len(self.entries) <= self.capacity_blocks, "host tier holds more than its capacity")
-        held = sum(stored.nbytes for _, stored in self.entries.values())
-        require(held == self._nbytes, f"host tier counts {self._nbytes} bytes but holds {held}")
+        held = sum(self.held.values())
+        require(
+            not self.entries or len(self.entries) + held <= self.capacity_blocks,
+            "host tier holds more than its capacity (cached entries + swapped requests)",
+        )
+        stored_bytes = sum(stored.nbytes for _, stored in self.entries.values())
+        require(
+            stored_bytes == self._nbytes,
+            f"host tier counts {self._nbytes} bytes but holds {stored_bytes}",
+        )
         require(
             all(
                 t.device.type == "cpu" for _, s in self.entries.values() for t in s.tensors.values()
