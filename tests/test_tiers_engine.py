@@ -165,7 +165,7 @@ def test_sessions_driver_feeds_answers_back(tiny_model):
 
 def test_swap_preemption_goes_through_the_host_tier(tiny_model):
     tiers = TierConfig(tiers=("host", "disk"), host_blocks=8, disk_blocks=64)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     prompts = [prompt(10 + i, 40) for i in range(4)]
     cold = engine(tiny_model, None, pool_tokens=1024)
     expected = [o.token_ids for o in cold.generate(prompts, params)]
