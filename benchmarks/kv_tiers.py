@@ -4,7 +4,7 @@ The measurements are kvlab.experiments.tiers's.
 
     python benchmarks/kv_tiers.py                        # embedded model, 10 sessions x 3 turns
     python benchmarks/kv_tiers.py --configs "device only,host"   # a subset
-    python benchmarks/kv_tiers.py --quick --model PATH   # 4 sessions x 2 turns, seconds
+    python benchmarks/kv_tiers.py --quick --model PATH   # 6 sessions x 2 turns, seconds
 
 Prints JSON: per configuration the prompt tokens recomputed and their reduction against
 device-only caching, whether every turn's greedy tokens are identical, blocks and bytes
@@ -24,17 +24,17 @@ from kvlab.multiturn import chat_sessions
 
 def main(argv: list[str] | None = None) -> dict:
     parser = script_parser(__doc__)
-    parser.add_argument("--sessions", type=int, help="default 10 (--quick: 4)")
+    parser.add_argument("--sessions", type=int, help="default 10 (--quick: 6)")
     parser.add_argument("--turns", type=int, help="default 3 (--quick: 2)")
-    parser.add_argument("--pool-tokens", type=int, help="device pool (default 1024; --quick 256)")
+    parser.add_argument("--pool-tokens", type=int, help="device pool (default 1024; --quick 352)")
     parser.add_argument("--configs", help="comma-separated names (default: all)")
     what_if = "what-if link bandwidth in GB/s (default 25, ~PCIe 4.0 x16)"
     parser.add_argument("--link-gb-s", type=float, default=25.0, help=what_if)
     args = parser.parse_args(argv)
     model = load(args)
-    n = args.sessions or (4 if args.quick else 10)
+    n = args.sessions or (6 if args.quick else 10)
     turns = args.turns or (2 if args.quick else 3)
-    pool = args.pool_tokens or (256 if args.quick else 1024)
+    pool = args.pool_tokens or (352 if args.quick else 1024)
     new_tokens = 4 if args.quick else 16
     sessions = chat_sessions(n, turns, max_doc_chars=1200 if args.quick else 2500)
     configs = tiers.tier_configs(pool // 16)

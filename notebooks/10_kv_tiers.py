@@ -50,6 +50,7 @@ import torch
 
 import kvlab
 from kvlab import texts
+from kvlab.cache.connector import method_table
 from kvlab.cache.tiers import LOAD_POLICIES, WRITE_POLICIES, TierConfig
 from kvlab.config import SamplingParams
 from kvlab.experiments import tiers as tier_exp
@@ -113,8 +114,10 @@ print(
 # %% [markdown]
 # ## 2 · What a tier must never do
 #
-# **Serve another tenant.** Every entry remembers its salt, and the key includes it: a
-# request under salt `"b"` finds nothing, even for the same tokens.
+# **Serve another tenant.** The key includes the salt, so a request under salt `"b"` does
+# not even find the keys of the same tokens (no tier is asked: `salt_refusals` stays 0).
+# Every entry also remembers its salt and refuses a lookup under another one, a second
+# line of defence that `tests/test_tiers.py` exercises with a forced key collision.
 #
 # **Serve a damaged file.** A disk file is a JSON header (key, salt, shapes, length, a
 # BLAKE2b digest) and the raw codes. Flip one byte and the read fails its checksum: the
@@ -173,7 +176,7 @@ tier_exp.policy_table(trace)
 viz.recompute_figure(trace)
 
 # %% [markdown]
-# The hierarchy of the `host+disk` run, drawn every three steps (the slider's labels): move the slider. Each
+# The hierarchy of the `host+disk` run, drawn every three steps: move the slider. Each
 # square is a block, coloured by the session whose conversation it holds. Blocks flow
 # from the device down to host and disk as other users' turns push them out, come back up
 # when their user returns, and vanish from every tier when the session ends.
@@ -222,15 +225,8 @@ engine.generate([prompt + texts.questions()[0]], SamplingParams(max_new_tokens=4
 connector.offload_cached()
 seq = engine.make_sequence(prompt + texts.questions()[1])
 print("get_num_new_matched_tokens ->", connector.get_num_new_matched_tokens(seq, 0))
-for side, names in (
-    ("scheduler", ["get_num_new_matched_tokens", "update_state_after_alloc",
-                   "build_connector_meta", "request_finished"]),
-    ("worker", ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
-                "save_kv_layer", "wait_for_save"]),
-):  # fmt: skip
-    for name in names:
-        doc = (getattr(type(connector), name).__doc__ or "").strip().splitlines()
-        print(f"{side:9} {name:27} {doc[0] if doc else ''}")
+for side, name, doc in method_table(connector):
+    print(f"{side:9} {name:27} {doc}")
 connector.stack.close()
 
 # %% [markdown]

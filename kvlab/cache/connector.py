@@ -22,6 +22,7 @@ every layer at once, when a block is evicted (write-back) or its request is rele
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -66,7 +67,8 @@ class KVConnector(ABC):
 
     # --- worker side ----------------------------------------------------------------
     @abstractmethod
-    def bind_connector_metadata(self, meta: ConnectorMeta) -> None: ...
+    def bind_connector_metadata(self, meta: ConnectorMeta) -> None:
+        """Hand the worker side the metadata the scheduler side built for this step."""
 
     @abstractmethod
     def start_load_kv(self) -> None:
@@ -83,3 +85,20 @@ class KVConnector(ABC):
     @abstractmethod
     def wait_for_save(self) -> None:
         """Block until every save of the bound metadata is done."""
+
+
+SCHEDULER_SIDE = ("get_num_new_matched_tokens", "update_state_after_alloc",
+                  "build_connector_meta", "request_finished")  # fmt: skip
+WORKER_SIDE = ("bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
+               "save_kv_layer", "wait_for_save")  # fmt: skip
+
+
+def method_table(connector: KVConnector) -> list[tuple[str, str, str]]:
+    """(side, method, first line of its docstring) for every method of the interface, as
+    `connector`'s class documents it (or the interface, where it adds nothing)."""
+    rows = []
+    for side, names in (("scheduler", SCHEDULER_SIDE), ("worker", WORKER_SIDE)):
+        for name in names:
+            doc = inspect.getdoc(getattr(type(connector), name)) or ""
+            rows.append((side, name, doc.splitlines()[0] if doc else ""))
+    return rows

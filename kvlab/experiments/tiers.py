@@ -137,7 +137,7 @@ def ttft_by_tier(model, session: ChatSession, questions: list[str], block_size: 
     Each measured request runs alone (max_new_tokens=1). The disk file may be in the OS
     page cache (nothing drops it): a disk hit here is a read through the file system."""
     tiers = TierConfig(tiers=("host", "disk"), host_blocks=4096, disk_blocks=4096)
-    config = EngineConfig(**BASE, block_size=block_size, max_model_len=2048,
+    config = EngineConfig(**BASE, block_size=block_size, max_model_len=None,
                           kv_budget_tokens=8192, tiers=tiers)  # fmt: skip
     engine = kvlab.Engine(model, config)
     connector, one = engine.cache.connector, SamplingParams(max_new_tokens=1)
@@ -151,19 +151,21 @@ def ttft_by_tier(model, session: ChatSession, questions: list[str], block_size: 
         hits[where].append(out.metrics.prefix_hit_tokens)
 
     for r, question in enumerate(questions):
-        ids = next_turn_ids(engine.tokenizer, opening, question)
-        salt = f"repeat-{r}"
-        measure("recompute", ids, salt)  # nothing cached under this salt yet
-        engine.generate([opening], one)  # warm the opening (no salt) ...
-        ids_plain = ids
-        measure("device", ids_plain, None)
+        # Each measured prompt differs from the others right after the opening (its
+        # message begins with the tier's name), so every hit is the opening's blocks.
+        def ask(where: str, question: str = question) -> list[int]:
+            return next_turn_ids(engine.tokenizer, opening, f"({where}) {question}")
+
+        measure("recompute", ask("recompute"), f"repeat-{r}")  # nothing under this salt
+        engine.generate([opening], one)  # the opening's blocks, on the device
+        measure("device", ask("device"), None)
+        connector.offload_cached()  # every cached block down to the host tier
+        measure("host", ask("host"), None)
         connector.offload_cached()
-        measure("host", next_turn_ids(engine.tokenizer, opening, question + " Please."), None)
+        connector.stack.spill(0)  # and from host to disk
+        measure("disk", ask("disk"), None)
         connector.offload_cached()
-        connector.stack.spill(0)
-        measure("disk", next_turn_ids(engine.tokenizer, opening, question + " Thanks."), None)
-        connector.offload_cached()
-        for tier in connector.stack.tiers:  # start the next repeat from empty tiers
+        for tier in connector.stack.tiers:  # the next repeat starts from empty tiers
             for key in tier.keys():
                 tier.discard(key)
     connector.stack.close()
