@@ -11,15 +11,15 @@ from kvlab.viz import tiers as viz
 
 @pytest.fixture(scope="module")
 def trace(tiny_model):
-    sessions = chat_sessions(n=3, turns=2, max_doc_chars=600)
-    configs = tier_exp.tier_configs(8)
+    sessions = chat_sessions(n=3, turns=2, max_doc_chars=1200)
+    configs = tier_exp.tier_configs(22)
     configs = {k: configs[k] for k in ("device only", "host+disk")}
-    return tier_exp.compare_tiering(tiny_model, sessions, pool_tokens=128, max_new_tokens=4,
+    return tier_exp.compare_tiering(tiny_model, sessions, pool_tokens=352, max_new_tokens=4,
                                     max_model_len=1024, configs=configs, end_after=True,
                                     observe="host+disk", every=2)  # fmt: skip
 
 
-def test_snapshots_follow_sessions_down_and_out(trace):
+def test_snapshots_follow_sessions_down_the_tiers(trace):
     frames = trace["frames"]
     assert frames and all(label.startswith("step ") for label, _ in frames)
     tiers_seen = {row["tier"] for _, rows in frames for row in rows}
