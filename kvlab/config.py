@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
+    from kvlab.cache.tiers import TierConfig
     from kvlab.spec import SpeculativeConfig
 
 # The fixed choices. The variants (cache kinds, prefix indexes, KV codecs) are registered
@@ -76,6 +77,10 @@ class EngineConfig:
         tensor_parallel_size: run the model as this many processes on this machine
             (kvlab.parallel: each holds its share of the heads, MLP and KV heads; gloo
             all-reduces). It must divide the model's attention heads.
+        tiers: a kvlab.cache.tiers.TierConfig: host / disk tiers that keep evicted cached
+            blocks and load them back on a later prefix hit (paged + prefix_caching="hash").
+        session_ttl_s: seconds a session (add_request(session=...)) may stay idle before
+            its blocks are freed on every tier, as by engine.end_session; None: never.
     """
 
     cache: str = "naive"  # a name in kvlab.cache.CACHES
@@ -98,6 +103,8 @@ class EngineConfig:
     kv_codec: str | None = None
     speculative: SpeculativeConfig | dict | None = None
     tensor_parallel_size: int = 1
+    tiers: TierConfig | None = None  # the KV hierarchy below the device pool
+    session_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         from kvlab.cache import CACHES, PREFIX_INDEXES
@@ -157,6 +164,25 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """KV tiers and sessions (kvlab.cache.tiers, kvlab.sessions)."""
+        from kvlab.cache.tiers import TierConfig
+
+        if self.tiers is not None:
+            _require(
+                isinstance(self.tiers, TierConfig),
+                f"EngineConfig.tiers={self.tiers!r} must be a kvlab.cache.tiers.TierConfig",
+            )
+            _require(
+                self.cache == "paged" and self.prefix_caching == "hash",
+                f"EngineConfig.tiers needs cache='paged' and prefix_caching='hash' (a tier's "
+                f"keys are the hash index's chained keys); got cache={self.cache!r}, "
+                f"prefix_caching={self.prefix_caching!r}",
+            )
+        ttl = self.session_ttl_s
+        _require(ttl is None or ttl > 0, f"EngineConfig.session_ttl_s={ttl} must be > 0 or None")
 
 
 def _capable(registry, capability: str) -> tuple:

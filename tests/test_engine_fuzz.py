@@ -31,6 +31,8 @@ from hypothesis.stateful import (
 
 import kvlab
 from kvlab.cache.codecs import CODECS
+from kvlab.cache.prefix.hash import HashPrefixIndex
+from kvlab.cache.tiers import LOAD_POLICIES, WRITE_POLICIES, TierConfig
 from kvlab.config import SamplingParams
 
 MAX_MODEL_LEN = 128
@@ -78,7 +80,21 @@ def engine_configs(draw) -> dict:
     if pressured:
         config.update(kv_budget_tokens=max(block_size, draw(st.sampled_from([96, 128, 160]))),
                       max_num_seqs=8)  # fmt: skip
+    if config["prefix_caching"] == "hash" and draw(st.booleans()):
+        config["tiers"] = draw(tier_configs())
     return config
+
+
+@st.composite
+def tier_configs(draw) -> TierConfig:
+    """Host and disk tiers below the pool, from one block (constant eviction) up."""
+    return TierConfig(
+        tiers=draw(st.sampled_from([("host",), ("disk",), ("host", "disk")])),
+        host_blocks=draw(st.sampled_from([1, 4, 32])),
+        disk_blocks=draw(st.sampled_from([2, 64])),
+        write=draw(st.sampled_from(WRITE_POLICIES.names())),
+        load=draw(st.sampled_from(LOAD_POLICIES.names())),
+    )
 
 
 @st.composite
@@ -145,6 +161,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert "budget" in str(error) or "block" in str(error), error
             self.engine = kvlab.Engine(self.model, kvlab.EngineConfig(max_model_len=128))
         self.submitted: dict[int, tuple[list[int], SamplingParams]] = {}
+        self.salts: dict[int, str | None] = {}
         self.idle_steps = 0
         self.counts["examples"] += 1
 
@@ -168,6 +185,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert self._queued() == before, "a rejected request changed the queues"
             return -1
         self.submitted[request_id] = (prompt, params)
+        self.salts[request_id] = salt
         return request_id
 
     @rule(bad=st.sampled_from(["empty", "vocab", "salt", "long", "n", "budget"]))
@@ -291,6 +309,29 @@ class EngineMachine(RuleBasedStateMachine):
         cache = engine.cache
         held = cache.allocator.num_used if cache.name == "paged" else len(cache.region_of)
         assert held == 0, f"{held} blocks still held after every request finished"
+        if getattr(cache, "connector", None) is not None:
+            self._check_tiers(engine)
+
+    def _check_tiers(self, engine):
+        """No leak across tiers, and every block a tier holds is keyed by the salt of a
+        request whose tokens it holds."""
+        self.counts["tier_loads"] = self.counts.get("tier_loads", 0) + sum(
+            engine.cache.connector.transfers.onloads.values()
+        )
+        stack = engine.cache.connector.stack
+        stack.check_integrity()
+        held = [t.held for t in stack.tiers if t.name == "host"]
+        assert not held or not held[0], "a swapped-out request still holds host-tier room"
+        keyer, origin = HashPrefixIndex(engine.cache.block_size), {}
+        for out in engine.finished:
+            salt = self.salts[out.request_id]
+            for sample in out.samples:
+                for key in keyer.keys(out.prompt_token_ids + sample.token_ids, salt):
+                    origin[key] = salt
+        for tier in stack.tiers:
+            for key in tier.keys():
+                assert key in origin and origin[key] == tier.salt_of(key), "a tier key's salt"
+        stack.close()
 
 
 def test_engine_state_machine(tiny_model):

@@ -168,6 +168,9 @@ class KVCache(ABC):
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
         return slots.to(self.pool.device)
 
+    def drop_swapped(self, seq: Sequence) -> None:  # noqa: B027  (only tiers keep swap room)
+        """A swapped-out request's saved KV is gone (it swapped in, or ended swapped out)."""
+
     def block_slots(self, blocks: list[int]) -> torch.Tensor:
         """All slots of the given blocks, (len(blocks) * block_size,) int64."""
         ids = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)

@@ -57,7 +57,8 @@ class PagedCache(KVCache):
         # None: reserve admission (worst case promised, never preempts). Otherwise the
         # number of blocks that must stay free after admitting a prompt.
         self.watermark_blocks = None if watermark is None else int(watermark * self.num_blocks)
-        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._forget)
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evict)
+        self.connector = None  # a TierConnector when EngineConfig.tiers is set (kvlab.cache.tiers)
         self.tables: dict[int, list[int]] = {}  # request id -> block table
         self.published: dict[int, int] = {}  # request id -> leading blocks it has indexed
         # block -> (request id, tokens it must reach): published before its tokens are
@@ -73,7 +74,13 @@ class PagedCache(KVCache):
     def from_config(cls, config, pool: KVPool, max_model_len: int) -> PagedCache:
         index = config.prefix_caching and PREFIX_INDEXES[config.prefix_caching](config.block_size)
         watermark = config.watermark if config.admission == "watermark" else None
-        return cls(pool, config.block_size, max_model_len, config.poison_freed, index, watermark)
+        cache = cls(pool, config.block_size, max_model_len, config.poison_freed, index, watermark)
+        if config.tiers is not None:  # the KV hierarchy below the pool
+            from kvlab.cache.tiers import TierStack
+            from kvlab.cache.tiers.connector import TierConnector
+
+            cache.connector = TierConnector(cache, TierStack.from_config(config.tiers))
+        return cache
 
     @property
     def reserves(self) -> bool:
@@ -164,6 +171,8 @@ class PagedCache(KVCache):
         return 0 if alone or self.reserves else self.watermark_blocks
 
     def _allocate(self, seq: Sequence, alone: bool) -> None:
+        if self.connector is not None:  # tiers: load held blocks back first (a longer hit)
+            self.connector.promote(seq)
         match = self._plan(seq, alone)
         if match is None:
             raise ValueError(f"request {seq.request_id} does not fit: call can_admit() first")
@@ -310,6 +319,13 @@ class PagedCache(KVCache):
     def _indexed(self, block: int) -> bool:
         return self.index is not None and block in self.index
 
+    def _evict(self, block: int) -> None:
+        """The allocator evicts a cached block: the tiers may keep a copy, then it is
+        forgotten."""
+        if self.connector is not None:
+            self.connector.on_evict(block)
+        self._forget(block)
+
     def _forget(self, block: int) -> None:
         """Drop a block from the index (evicted, or never computed), and free what hung
         below it."""
@@ -321,6 +337,8 @@ class PagedCache(KVCache):
     def swap_out(self, seq: Sequence) -> StoredKV:
         saved = self.pool.read(self.position_slots(seq, 0, seq.num_computed))
         self.free(seq)
+        if self.connector is not None:  # tiers: the swap space is the host tier's memory
+            self.connector.swap_out(seq, saved)
         return saved
 
     def can_swap_in(self, seq: Sequence, alone: bool = False) -> bool:
@@ -333,6 +351,11 @@ class PagedCache(KVCache):
         self.sequences[seq.request_id] = seq
         self.ensure_capacity(seq, seq.num_computed)
         self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
+        self.drop_swapped(seq)
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        if self.connector is not None:
+            self.connector.swap_done(seq)
 
     # --- release -------------------------------------------------------------------
     def _release(self, seq: Sequence) -> list[int]:
@@ -348,6 +371,8 @@ class PagedCache(KVCache):
             tokens = seq.token_ids[: seq.num_computed]
             sole_owner = bool(table) and self.allocator.ref_counts[table[-1]] == 1
             self.index.insert(tokens, table, seq.salt, partial=sole_owner)
+            if self.connector is not None:  # tiers: record salts, write-through saves
+                self.connector.request_finished(seq, table)
         # Tail blocks first: they become the least recently used, so evicted first.
         return [b for b in reversed(table) if self.allocator.decref(b, self._indexed(b))]
 
@@ -414,3 +439,5 @@ class PagedCache(KVCache):
             self.promised_blocks() <= self.allocator.num_available,
             "reserve admission promised more blocks than are available",
         )
+        if self.connector is not None:
+            self.connector.check_integrity()

@@ -30,6 +30,7 @@ from kvlab.model.loading import LoadedModel
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.prompts import encode_prompt
 from kvlab.model.runner import ModelRunner
+from kvlab.sessions import SessionEnd, Sessions
 
 if TYPE_CHECKING:
     from kvlab.workloads import Request
@@ -82,6 +83,7 @@ class Engine:
         self._groups: dict[int, list[Sequence]] = {}  # n > 1: parent id -> all samples
         self._steps = 0
         self._start = time.perf_counter()
+        self.sessions = Sessions(self.config.session_ttl_s)  # kvlab.sessions
 
     # --- set-up ------------------------------------------------------------------------
     def _start_tensor_parallel(self) -> ModelRunner:
@@ -136,11 +138,14 @@ class Engine:
         arrival_s: float | None = None,
         salt: str | None = None,
         priority: int = 0,
+        session: str | None = None,
     ) -> Sequence:
         """Validate a request and build its Sequence, without queueing it."""
         params = params or SamplingParams()
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"salt={salt!r} must be a string or None (a cache namespace)")
+        if session is not None and not isinstance(session, str):
+            raise ValueError(f"session={session!r} must be a string or None (a conversation)")
         ids = self.encode(prompt, chat)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -160,7 +165,7 @@ class Engine:
             )
         seq = self._new_sequence(ids, params, params.seed)
         seq.arrival_s = self.clock() if arrival_s is None else arrival_s
-        seq.salt, seq.priority = salt, priority
+        seq.salt, seq.priority, seq.session = salt, priority, session
         self.cache.check_fits(seq)
         return seq
 
@@ -181,20 +186,24 @@ class Engine:
         arrival_s: float | None = None,
         salt: str | None = None,
         priority: int = 0,
+        session: str | None = None,
     ) -> int:
         """Queue a request (raises ValueError for bad input, queuing nothing); returns its id.
 
         `salt` names a tenant / cache namespace: requests with different salts never share
         prefix-cached KV blocks. A higher `priority` is admitted first and preempted last.
+        `session` names the conversation it belongs to (`end_session`, session_ttl_s).
         """
         seq = self.make_sequence(
-            prompt, params, chat=chat, arrival_s=arrival_s, salt=salt, priority=priority
-        )
+            prompt, params, chat=chat, arrival_s=arrival_s, salt=salt, priority=priority,
+            session=session,
+        )  # fmt: skip
         return self.enqueue(seq)
 
     def enqueue(self, seq: Sequence) -> int:
         """Queue a sequence built by `make_sequence` (add_request is both in one call)."""
         self.scheduler.add(seq)
+        self.sessions.on_add(seq, self.clock())
         return seq.request_id
 
     def samples(self, seq: Sequence) -> list[Sequence]:
@@ -209,6 +218,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batched forward (prefill or decode); return requests that finished."""
         now = self.clock()
+        self._tier_and_session_work(now)
         if self.speculator:
             self.speculator.plan(self.scheduler.running)
         batch = self.scheduler.schedule(now)
@@ -297,6 +307,7 @@ class Engine:
         cancelled = reason == "cancelled"
         state = RequestState.CANCELLED if cancelled else RequestState.FINISHED
         self.scheduler.finish(seq, state, now)
+        self.sessions.on_finish(seq, now)
         return self._complete(seq)
 
     def cancel(self, request_id: int) -> bool:
@@ -312,6 +323,20 @@ class Engine:
             finished.extend(self._retire(seq, "cancelled", self.clock()))
         self.finished.extend(finished)
         return bool(members)
+
+    # --- sessions and tiers (kvlab.sessions, kvlab.cache.tiers) -------------------------
+    def end_session(self, session_id: str) -> SessionEnd:
+        """End a conversation: cancel its unfinished requests and free its KV blocks on
+        every tier (device cached blocks, host and disk copies), except blocks another
+        live session also uses. Raises ValueError for an unknown session."""
+        return self.sessions.end(self, session_id)
+
+    def _tier_and_session_work(self, now: float) -> None:
+        """Before a step: end sessions past their TTL; prefetch queued requests' blocks."""
+        self.sessions.expire(self, now)
+        connector = getattr(self.cache, "connector", None)
+        if connector is not None and connector.stack.load.prefetch:
+            connector.prefetch(self.scheduler.waiting, now)
 
     def explain(self, request_id: int) -> str:
         """What the engine did to a request and why, one line per event: how much of its
@@ -481,6 +506,7 @@ class Engine:
                 arrival_s=offset + r.arrival_s,
                 salt=r.salt,
                 priority=r.priority,
+                session=r.session,
             )
             for r in requests
         ]
@@ -489,7 +515,7 @@ class Engine:
     def _drain(self, seqs: list[Sequence], progress: bool) -> list[RequestOutput]:
         """Queue `seqs` and step until all of them are finished."""
         for seq in seqs:
-            self.scheduler.add(seq)
+            self.enqueue(seq)
         wanted = {seq.request_id: None for seq in seqs}
         total = sum(seq.params.max_new_tokens for seq in seqs)
         with tqdm(total=total, desc="generate", unit="tok", disable=not progress) as bar:

@@ -153,6 +153,7 @@ class Scheduler:
         elif seq in self.swapped:
             self.swapped.remove(seq)
             del self.swap_space[seq.request_id]
+            self.cache.drop_swapped(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = state

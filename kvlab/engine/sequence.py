@@ -62,6 +62,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # engine clock per output token
     spec_room: int = 0
+    session: str | None = None  # the conversation it belongs to (kvlab.sessions)
 
     @property
     def token_ids(self) -> list[int]:

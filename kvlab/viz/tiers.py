@@ -1,0 +1,86 @@
+"""Figures for the KV hierarchy (kvlab.cache.tiers): where blocks sit, TTFT by tier, and
+recomputed tokens per configuration."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+TIER_ROWS = ["device (used)", "device (cached)", "host", "disk"]
+
+
+def _colors(sessions: list[str]) -> dict[str, str]:
+    palette = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692",
+               "#b6e880", "#ff97ff", "#fecb52"]  # fmt: skip
+    named = sorted(s for s in sessions if s not in ("-", "shared"))
+    colors = {s: palette[i % len(palette)] for i, s in enumerate(named)}
+    return colors | {"shared": "#444444", "-": "#bbbbbb"}
+
+
+def _grid(rows: list[dict]) -> tuple[list[int], list[str], list[str]]:
+    """x (position within its tier), y (tier) and session of each block row."""
+    seen: dict[str, int] = {}
+    xs, ys, names = [], [], []
+    for row in sorted(rows, key=lambda r: (TIER_ROWS.index(r["tier"]), r["session"], r["block"])):
+        xs.append(seen.get(row["tier"], 0))
+        seen[row["tier"]] = xs[-1] + 1
+        ys.append(row["tier"])
+        names.append(row["session"])
+    return xs, ys, names
+
+
+def hierarchy_figure(frames: list[tuple[str, list[dict]]]) -> go.Figure:
+    """Blocks per tier, one square per block coloured by session, with a slider over
+    `frames` ((label, experiments.tiers.snapshot rows) recorded as sessions come and go)."""
+    if not frames:
+        raise ValueError("frames is empty: record at least one snapshot")
+    sessions = sorted({r["session"] for _, rows in frames for r in rows})
+    colors = _colors(sessions)
+
+    def traces(rows):
+        xs, ys, names = _grid(rows)
+        return [go.Scatter(x=xs, y=ys, mode="markers", text=names, hoverinfo="text+y",
+                           marker=dict(symbol="square", size=7, color=[colors[n] for n in names]),
+                           showlegend=False)]  # fmt: skip
+
+    figure = go.Figure(traces(frames[-1][1]))
+    figure.frames = [go.Frame(data=traces(rows), name=label) for label, rows in frames]
+    steps = [dict(method="animate", label=label, args=[[label], dict(mode="immediate",
+             frame=dict(duration=0, redraw=True))]) for label, _ in frames]  # fmt: skip
+    figure.update_layout(
+        title="Where each cached block sits (colour: session; grey: none recorded)",
+        sliders=[dict(active=len(frames) - 1, steps=steps, currentvalue=dict(prefix="after "))],
+        yaxis=dict(categoryorder="array", categoryarray=TIER_ROWS[::-1], title=""),
+        xaxis=dict(title="blocks"),
+        height=360,
+        margin=dict(l=120),
+    )
+    return figure
+
+
+def ttft_figure(ttft: dict) -> go.Figure:
+    """Median TTFT of a follow-up turn by where its history sat (experiments.tiers.ttft_by_tier)."""
+    order = ["device", "host", "disk", "recompute"]
+    values = [ttft["ttft_median_s"][w] * 1e3 for w in order]
+    figure = go.Figure(go.Bar(x=order, y=values, text=[f"{v:.0f} ms" for v in values]))
+    figure.update_layout(
+        title=f"TTFT of a follow-up turn ({ttft['prompt_tokens']}-token history), "
+        f"median of {ttft['repeats']}",
+        yaxis_title="ms",
+        xaxis_title="where the history's blocks were",
+        height=360,
+    )
+    return figure
+
+
+def recompute_figure(trace: dict) -> go.Figure:
+    """Prompt tokens recomputed per configuration (experiments.tiers.compare_tiering)."""
+    names = list(trace["configs"])
+    computed = [trace["configs"][n]["computed_tokens"] for n in names]
+    figure = go.Figure(go.Bar(x=names, y=computed, text=computed))
+    figure.update_layout(
+        title=f"Prompt tokens recomputed: {trace['sessions']} sessions, working set "
+        f"{trace['working_set_over_pool']:.1f}x the device pool",
+        yaxis_title="tokens computed (prefill)",
+        height=380,
+    )
+    return figure
