@@ -115,8 +115,14 @@ def test_matches_hf_with_the_kept_positions_masked(tiny_model, policy):
     """Teacher-forced through the paged cache with drops between chunks = one HF forward
     whose 4D mask shows each query what was kept when it ran, at original positions."""
     bs, window, chunk, sinks = 8, 40, 24, 8
-    config = EngineConfig(cache="paged", block_size=bs, retention=policy,
-                          retention_window=window, retention_sinks=sinks, poison_freed=True)  # fmt: skip
+    config = EngineConfig(
+        cache="paged",
+        block_size=bs,
+        retention=policy,
+        retention_window=window,
+        retention_sinks=sinks,
+        poison_freed=True,
+    )
     runner = kvlab.Engine(tiny_model, EngineConfig(cache="paged")).runner
     ids = PROMPT[:100] + [900 + j for j in range(100)]
     scored = longctx.score(runner, ids, config, chunk=chunk, keep_logits=True)
@@ -141,8 +147,15 @@ def test_matches_hf_with_the_kept_positions_masked(tiny_model, policy):
 
 @pytest.mark.parametrize("policy", ["window", "sinks", "h2o"])
 def test_engine_memory_stays_flat(tiny_model, policy):
-    base = EngineConfig(cache="paged", block_size=8, chunked_prefill=True, poison_freed=True,
-                        max_num_batched_tokens=16, max_model_len=512, kv_budget_tokens=1024)  # fmt: skip
+    base = EngineConfig(
+        cache="paged",
+        block_size=8,
+        chunked_prefill=True,
+        poison_freed=True,
+        max_num_batched_tokens=16,
+        max_model_len=512,
+        kv_budget_tokens=1024,
+    )
     config = longctx.budget_config(base, policy, 48)
     engine = kvlab.Engine(tiny_model, config)
     engine.add_request(PROMPT, SamplingParams(max_new_tokens=250, ignore_eos=True))
@@ -159,9 +172,18 @@ def test_engine_memory_stays_flat(tiny_model, policy):
 @pytest.mark.parametrize("index", ["hash", "radix"])
 @pytest.mark.parametrize("policy, hit_blocks", [("window", 0), ("sinks", 1)])
 def test_prefix_index_never_hands_out_a_dropped_block(tiny_model, index, policy, hit_blocks):
-    config = EngineConfig(cache="paged", block_size=8, prefix_caching=index, retention=policy,
-                          retention_window=32, retention_sinks=8, chunked_prefill=True,
-                          max_num_batched_tokens=16, max_model_len=256, kv_budget_tokens=512)  # fmt: skip
+    config = EngineConfig(
+        cache="paged",
+        block_size=8,
+        prefix_caching=index,
+        retention=policy,
+        retention_window=32,
+        retention_sinks=8,
+        chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_model_len=256,
+        kv_budget_tokens=512,
+    )
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     engine = kvlab.Engine(tiny_model, config)
     engine.generate([PROMPT], params)
