@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kvlab import texts
 from kvlab.cache import make_cache
+from kvlab.cache.retention import DROPPED
 from kvlab.config import EngineConfig, SamplingParams
 from kvlab.engine.engine import Engine
 from kvlab.engine.sequence import Sequence
@@ -225,3 +226,31 @@ def recall_frontier(
     frame = pd.concat(frames, ignore_index=True)
     frame["kv_kept_frac"] = frame["peak_kv_bytes"] / frame["full_kv_bytes"]
     return frame
+
+
+def table_trace(
+    model: LoadedModel, prompt: str | list[int], config: EngineConfig, max_new_tokens: int = 32
+) -> pd.DataFrame:
+    """One request stepped through an engine with `config`: after every step, each logical
+    block of its table as "kept" (with its physical id) or "dropped" (for block maps)."""
+    engine = Engine(model, config)
+    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens, ignore_eos=True))
+    [seq] = [s for s in engine.scheduler.waiting if s.request_id == request_id]
+    rows, step = [], 0
+    while engine.has_unfinished():
+        engine.step()
+        step += 1
+        if seq.request_id not in engine.cache.tables:
+            break  # finished: its blocks are gone
+        for i, block in enumerate(engine.cache.block_table(seq)):
+            state = "dropped" if block == DROPPED else "kept"
+            rows.append(
+                {
+                    "step": step,
+                    "tokens": seq.num_computed,
+                    "logical": i,
+                    "physical": block,
+                    "state": state,
+                }
+            )
+    return pd.DataFrame(rows)
