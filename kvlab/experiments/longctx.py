@@ -93,7 +93,7 @@ def budget_config(base: EngineConfig, policy: str, budget: int) -> EngineConfig:
 
 
 def recall(
-    model: LoadedModel, needles: list[Needle], config: EngineConfig, max_new_tokens: int = 12
+    model: LoadedModel, needles: list[Needle], config: EngineConfig, max_new_tokens: int = 20
 ) -> pd.DataFrame:
     """Answer every needle, one at a time, on a fresh engine with `config`; one row each:
     recalled (the number is in the answer), answer text, peak KV held between steps."""
@@ -213,10 +213,13 @@ def recall_frontier(
     base: EngineConfig,
     fractions: tuple[float, ...] = (0.1, 0.25, 0.5),
     policies: tuple[str, ...] = POLICIES,
+    baseline: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Recall of every policy at each budget (a fraction of each needle's haystack), plus
-    full retention; one row per policy, budget and needle."""
-    frames = [recall(model, needles, base).assign(policy="full", budget=1.0)]
+    full retention (`baseline`: `recall(model, needles, base)` if already measured); one
+    row per policy, budget and needle."""
+    baseline = recall(model, needles, base) if baseline is None else baseline
+    frames = [baseline.assign(policy="full", budget=1.0)]
     for fraction in fractions:
         for policy in policies:
             for length in sorted({n.context_tokens for n in needles}):
