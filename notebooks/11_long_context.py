@@ -153,10 +153,11 @@ print(table[["policy", "ppl", "ppl_vs_full_pct", "final_kv_mib"]].round(2).to_st
 memory_figure(memory)
 
 # %% [markdown]
-# The text is several times the budget long. Sinks + window stays close to full KV at a
-# fraction of the memory; the window alone, once the first tokens are gone, does worse:
-# the model loses the tokens it parks attention on. h2o keeps whatever was attended most,
-# which here includes the first block.
+# The text is several times the budget long. Compare each policy's perplexity with full
+# KV in the table: sinks + window should stay close to it at a fraction of the memory,
+# while the window alone, once the first tokens are gone, does visibly worse: the model
+# loses the tokens it parks attention on. h2o keeps the older blocks that drew the most
+# attention, whichever they are.
 #
 # ## Needle in a haystack: the model's own recall first
 #
@@ -188,10 +189,11 @@ print(summary.round(2).to_string())
 frontier_figure(frontier)
 
 # %% [markdown]
-# A window forgets a needle that scrolled out of it, whatever the budget, unless the
-# needle sits near the end; sinks do not help recall (they keep the start, not the
-# fact); h2o keeps the fact only if its block drew enough attention while it streamed
-# past. Eviction trades recall for memory: the memory is flat, the lost blocks are gone.
+# Read the table against the baseline: a window keeps a needle only while it sits inside
+# the last `retention_window` tokens (a deep needle at a large budget); sinks keep the
+# start, not the fact; h2o keeps the fact only if its block drew enough attention while
+# it streamed past, scored by queries that had not seen the question yet. Eviction trades
+# recall for memory: the memory is flat, and a dropped block is gone for good.
 #
 # ## What to try next
 #
