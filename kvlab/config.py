@@ -68,6 +68,13 @@ class EngineConfig:
             sequence's stale state would show up as NaN output.
         record_block_map: keep, for every step, which request owns each physical block
             (for block-map plots; costs one list of num_blocks ints per step).
+        retention: which KV blocks a long sequence keeps (kvlab.cache.retention): "full"
+            (all, the default), "window", "sinks" (StreamingLLM) or "h2o" (heavy hitters).
+            Anything but "full" needs cache="paged", preemption="recompute" and
+            attention="torch".
+        retention_window: recent tokens every non-full policy keeps.
+        retention_sinks: first tokens "sinks" keeps (rounded up to whole blocks).
+        retention_heavy: tokens (whole blocks) "h2o" keeps for their attention so far.
         kv_codec: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
             "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
             count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
@@ -105,10 +112,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tiers: TierConfig | None = None  # the KV hierarchy below the device pool
     session_ttl_s: float | None = None
+    retention: str = "full"  # a name in kvlab.cache.retention.RETENTION
+    retention_window: int = 256
+    retention_sinks: int = 4
+    retention_heavy: int = 256
 
     def __post_init__(self) -> None:
         from kvlab.cache import CACHES, PREFIX_INDEXES
         from kvlab.cache.codecs import CODECS
+        from kvlab.cache.retention import check_config as check_retention
 
         cache = CACHES[self.cache]  # each registry's error names the field and the choices
         if self.prefix_caching is not None:
@@ -164,6 +176,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
+        check_retention(self)
         self._check_tiers()
 
     def _check_tiers(self) -> None:
@@ -180,6 +193,11 @@ class EngineConfig:
                 f"EngineConfig.tiers needs cache='paged' and prefix_caching='hash' (a tier's "
                 f"keys are the hash index's chained keys); got cache={self.cache!r}, "
                 f"prefix_caching={self.prefix_caching!r}",
+            )
+            _require(
+                self.tensor_parallel_size == 1,
+                "EngineConfig.tiers needs tensor_parallel_size=1 (a tier stores one pool's "
+                "blocks; sharded pools are not tiered yet)",
             )
         ttl = self.session_ttl_s
         _require(ttl is None or ttl > 0, f"EngineConfig.session_ttl_s={ttl} must be > 0 or None")

@@ -98,6 +98,11 @@ class KVCache(ABC):
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
         """Make positions [0, num_tokens) of `seq` writable."""
 
+    def retain(self, seq: Sequence) -> None:
+        """After a step of `seq`: drop what its retention policy no longer keeps (paged;
+        kvlab.cache.retention). Variants without retention keep everything."""
+        return None
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` must take to hold `num_tokens` tokens (0: it has room)."""
         return 0

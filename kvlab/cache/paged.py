@@ -19,6 +19,11 @@ prompt up: matched blocks join the new table by reference (their tokens are not 
 again), and a finished sequence's blocks stay cached for later requests until evicted.
 A block referenced by several tables is never written: the first write to it copies it
 (copy-on-write).
+
+A retention policy (`retention`, kvlab.cache.retention) may drop whole blocks of a
+running sequence after each step (`retain`): the table keeps a `DROPPED` entry in their
+place, the block goes back to the allocator, and only the leading run of kept blocks is
+ever indexed for prefix sharing.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from kvlab.cache.codecs import StoredKV
 from kvlab.cache.pool import KVPool
 from kvlab.cache.prefix import PREFIX_INDEXES, PrefixIndex, PrefixMatch
 from kvlab.cache.prefix.history import MISS_REASONS, PrefixHistory
+from kvlab.cache.retention import DROPPED, RETENTION, RetentionPolicy, leading_kept
 from kvlab.engine.sequence import Note, Sequence
 from kvlab.integrity import require
 from kvlab.units import ceil_div
@@ -50,6 +56,7 @@ class PagedCache(KVCache):
         poison_freed: bool = False,
         prefix_index: PrefixIndex | None = None,
         watermark: float | None = None,
+        retention: RetentionPolicy | None = None,
     ):
         super().__init__(pool, block_size, max_model_len, poison_freed)
         self.index = prefix_index
@@ -65,6 +72,8 @@ class PagedCache(KVCache):
         # computed; its publisher writes it in place even while others share it
         self.unwritten: dict[int, tuple[int, int]] = {}
         self.copied_blocks = 0  # copy-on-write copies made
+        self.retention = retention or RETENTION["full"](block_size, self.num_blocks)
+        self.dropped_blocks = 0  # block-table entries a retention policy dropped
 
     @classmethod
     def slot_unit(cls, config, max_model_len: int) -> tuple[str, int]:
@@ -74,7 +83,12 @@ class PagedCache(KVCache):
     def from_config(cls, config, pool: KVPool, max_model_len: int) -> PagedCache:
         index = config.prefix_caching and PREFIX_INDEXES[config.prefix_caching](config.block_size)
         watermark = config.watermark if config.admission == "watermark" else None
-        cache = cls(pool, config.block_size, max_model_len, config.poison_freed, index, watermark)
+        retention = RETENTION[config.retention].from_config(
+            config, pool.num_slots // config.block_size
+        )
+        cache = cls(
+            pool, config.block_size, max_model_len, config.poison_freed, index, watermark, retention
+        )
         if config.tiers is not None:  # the KV hierarchy below the pool
             from kvlab.cache.tiers import TierStack
             from kvlab.cache.tiers.connector import TierConnector
@@ -186,7 +200,7 @@ class PagedCache(KVCache):
             # Token-granular hit (radix): copy the matching slots instead of recomputing.
             source = match.partial_block
             self.allocator.incref(source)  # keep it from being evicted by our allocation
-            table.append(self.allocator.allocate())
+            table.append(self._take_block())
             self._copy_slots(source, table[-1], match.partial_tokens)
             self.allocator.decref(source, keep_cached=source in self.index)
             hit += match.partial_tokens
@@ -251,12 +265,12 @@ class PagedCache(KVCache):
         if self._must_copy(seq):
             self._copy_on_write(seq, seq.num_computed // self.block_size)
         while len(table) * self.block_size < num_tokens:
-            table.append(self.allocator.allocate())
+            table.append(self._take_block())
 
     def _copy_on_write(self, seq: Sequence, index: int) -> None:
         table = self.tables[seq.request_id]
         shared = table[index]
-        fresh = self.allocator.allocate()
+        fresh = self._take_block()
         self._copy_slots(shared, fresh, seq.num_computed - index * self.block_size)
         table[index] = fresh
         self.allocator.decref(shared, keep_cached=self._indexed(shared))
@@ -273,6 +287,7 @@ class PagedCache(KVCache):
         soon as it schedules it; `_release` withdraws any block whose tokens were never
         computed (a request preempted before its step ran)."""
         upto = seq.num_computed if upto is None else upto
+        upto = min(upto, leading_kept(self.tables[seq.request_id]) * self.block_size)
         full = upto // self.block_size
         if self.index is None or full <= self.published.get(seq.request_id, 0):
             return
@@ -311,7 +326,8 @@ class PagedCache(KVCache):
         """`child` shares all of `parent`'s blocks (n > 1 sampling); writes copy on demand."""
         table = list(self.tables[parent.request_id])
         for block in table:
-            self.allocator.incref(block)
+            if block != DROPPED:
+                self.allocator.incref(block)
         self.tables[child.request_id] = table
         self.sequences[child.request_id] = child
         self.published[child.request_id] = self.published.get(parent.request_id, 0)
@@ -368,13 +384,37 @@ class PagedCache(KVCache):
                 del self.unwritten[block]
         if self.index is not None:
             self._withdraw_uncomputed(seq, table)
-            tokens = seq.token_ids[: seq.num_computed]
-            sole_owner = bool(table) and self.allocator.ref_counts[table[-1]] == 1
-            self.index.insert(tokens, table, seq.salt, partial=sole_owner)
+            kept = leading_kept(table)  # blocks after a dropped one are never indexed
+            tokens = seq.token_ids[: min(seq.num_computed, kept * self.block_size)]
+            whole = kept == len(table)
+            sole_owner = whole and bool(table) and self.allocator.ref_counts[table[-1]] == 1
+            self.index.insert(tokens, table[:kept], seq.salt, partial=sole_owner)
             if self.connector is not None:  # tiers: record salts, write-through saves
                 self.connector.request_finished(seq, table)
         # Tail blocks first: they become the least recently used, so evicted first.
-        return [b for b in reversed(table) if self.allocator.decref(b, self._indexed(b))]
+        held = [b for b in reversed(table) if b != DROPPED]
+        return [b for b in held if self.allocator.decref(b, self._indexed(b))]
+
+    # --- retention (kvlab.cache.retention) -------------------------------------------
+    def _take_block(self) -> int:
+        block = self.allocator.allocate()
+        self.retention.on_allocate(block)
+        return block
+
+    def retain(self, seq: Sequence) -> None:
+        """After a step: drop the blocks of `seq` its retention policy no longer keeps. A
+        block no other table holds leaves the prefix index and goes back to the free list."""
+        table = self.tables[seq.request_id]
+        freed = []
+        for i in self.retention.drop(table, seq.num_computed):
+            block, table[i] = table[i], DROPPED
+            if self.allocator.ref_counts[block] == 1 and self._indexed(block):
+                self._forget(block)
+            if self.allocator.decref(block):
+                freed.append(block)
+            self.dropped_blocks += 1
+        if self.poison_freed and freed:
+            self.pool.poison(self.block_slots(freed))
 
     def _trim(self, seq: Sequence) -> list[int]:
         """Speculative rollback: blocks past the kept tokens held only rejected drafts
@@ -407,6 +447,8 @@ class PagedCache(KVCache):
         filled: dict[int, int] = {}
         for request_id, seq in self.sequences.items():
             for i, block in enumerate(self.tables[request_id]):
+                if block == DROPPED:
+                    continue
                 tokens = min(self.block_size, seq.num_computed - i * self.block_size)
                 filled[block] = max(filled.get(block, 0), tokens)
         return sum(filled.values())
@@ -416,7 +458,8 @@ class PagedCache(KVCache):
         owners = [-1] * self.num_blocks
         for request_id, table in self.tables.items():
             for block in table:
-                owners[block] = request_id if owners[block] == -1 else -2
+                if block != DROPPED:
+                    owners[block] = request_id if owners[block] == -1 else -2
         return owners
 
     def check_integrity(self) -> None:
@@ -424,7 +467,7 @@ class PagedCache(KVCache):
         counts = [0] * self.num_blocks
         salts: dict[int, set] = {}
         for request_id, table in self.tables.items():
-            for block in table:
+            for block in (b for b in table if b != DROPPED):
                 counts[block] += 1
                 salts.setdefault(block, set()).add(self.sequences[request_id].salt)
         require(counts == self.allocator.ref_counts, "reference counts != table references")
@@ -432,6 +475,11 @@ class PagedCache(KVCache):
         require(set(self.tables) == set(self.sequences), "block tables != admitted sequences")
         for block in self.allocator.cached:
             require(self._indexed(block), f"cached block {block} is not in the prefix index")
+        for block in self.allocator.free_blocks:
+            require(not self._indexed(block), f"free block {block} is in the prefix index")
+        for request_id, table in self.tables.items():
+            tail = self.sequences[request_id].num_computed // self.block_size
+            require(DROPPED not in table[tail:], f"request {request_id} dropped an unfilled block")
         for request_id, seq in self.sequences.items():
             held = len(self.tables[request_id]) * self.block_size
             require(seq.num_computed <= held, f"request {request_id} has tokens outside its blocks")

@@ -64,6 +64,13 @@ class Engine:
             from kvlab.model.kernel_attention import KernelAttention
 
             self.runner.attention_fn = KernelAttention(self.cache.block_size)
+        if getattr(self.cache, "retention", None) and self.cache.retention.observes_attention:
+            from kvlab.cache.retention.scores import ScoredAttention  # H2O's statistics
+
+            policy = self.cache.retention
+            self.runner.attention_fn = ScoredAttention(
+                self.runner.attention_fn, policy.scores, self.cache.block_size
+            )
         self.scheduler = Scheduler(self.config, self.cache)
         self.speculator = None
         if self.config.speculative is not None:
@@ -287,6 +294,9 @@ class Engine:
                     reason = self._finish_reason(member, member.output_ids[-1])
                 if reason:
                     finished.extend(self._retire(member, reason, now))
+        for seq in batch.seqs:  # a retention policy may drop blocks now
+            if seq.request_id in self.cache.sequences:
+                self.cache.retain(seq)
         self.finished.extend(finished)
         return finished
 

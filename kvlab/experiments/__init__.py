@@ -12,5 +12,6 @@ why_cache.py       decoding with and without a KV cache
 capacity_check.py  the planner's prediction against a live run
 kernel_check.py    the Triton kernels against their references, and their bandwidth
 gpu_check.py       the GPU check's report: kernel_check and the engine against HF generate
+longctx.py         retention policies: needle recall, perplexity, KV held (long context)
 scripts.py         what the command lines in benchmarks/ share (options, JSON output)
 """

@@ -58,6 +58,12 @@ def build_attention_metadata(
     A position p of sequence b lives in slot table[b][p // block_size] * block_size
     + p % block_size, for every cache variant.
     """
+    from kvlab.cache.retention.base import DROPPED
+
+    if any(DROPPED in table for table in block_tables):  # a retention policy dropped blocks
+        from kvlab.model.retained_metadata import build_retained_metadata
+
+        return build_retained_metadata(starts, query_lens, block_tables, block_size, device)
     batch = len(starts)
     start = torch.tensor(starts, dtype=torch.long)
     qlen = torch.tensor(query_lens, dtype=torch.long)

@@ -1,0 +1,12 @@
+"""Full retention: every block stays until the sequence finishes (the default)."""
+
+from __future__ import annotations
+
+from kvlab.cache.retention import RETENTION
+from kvlab.cache.retention.base import RetentionPolicy
+
+
+@RETENTION.register("full")
+class FullRetention(RetentionPolicy):
+    def drop(self, table: list[int], num_computed: int) -> list[int]:
+        return []
