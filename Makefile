@@ -25,8 +25,9 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/03_prefix_sharing.ipynb notebooks/04_quantized_kv.ipynb \
 	notebooks/05_scheduler_under_pressure.ipynb \
 	notebooks/06_kernels.ipynb notebooks/07_dashboard.ipynb \
-	notebooks/08_capacity_planner.ipynb notebooks/10_kv_tiers.ipynb \
-	notebooks/11_long_context.ipynb notebooks/12_past_one_device.ipynb notebooks/labs/source
+	notebooks/08_capacity_planner.ipynb notebooks/09_speculative_decoding.ipynb \
+	notebooks/10_kv_tiers.ipynb notebooks/11_long_context.ipynb \
+	notebooks/12_past_one_device.ipynb notebooks/labs/source
 
 .PHONY: setup lab test lint browser peers bench clean labs grading test-grading
 

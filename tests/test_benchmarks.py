@@ -138,6 +138,21 @@ def test_bench_vs_hf_quick(tiny_model_path, tmp_path, capsys):
     assert set(full["meta"]["greedy_match_to_first_eos"].values()) == {1.0}
 
 
+def test_speculative_quick(tiny_model_path):
+    result = run_script("speculative", tiny_model_path)
+    assert result["mismatches"] == []
+    runs = result["runs"]
+    # per workload: kvlab none, ngram k=2, layers k=1; hf none, prompt lookup k=2; then
+    # the sweep at batch 1 and 2, without and with drafts
+    assert [(r["system"], r["method"], r["k"]) for r in runs[:5]] == [
+        ("kvlab", "none", 0), ("kvlab", "ngram", 2), ("kvlab", "layers", 1),
+        ("hf", "none", 0), ("hf", "prompt-lookup", 2),
+    ]  # fmt: skip
+    assert len(runs) == 2 * 5 + 4 and all(r["identical"] for r in runs)
+    assert all(r["output_tokens"] > 0 and r["tokens_per_forward"] >= 1.0 for r in runs)
+    assert [r["batch_size"] for r in runs if r["part"] == "batch"] == [1, 1, 2, 2]
+
+
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
 # Scripts from the serve work (over kvlab.serve) and the vLLM oracle (it needs .venv-vllm
 # and one vLLM engine per budget whatever the size) that have no --quick mode yet.

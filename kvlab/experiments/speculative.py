@@ -1,0 +1,194 @@
+"""Speculative decoding measured: kvlab's proposers beside HF's prompt lookup, one run.
+
+    result = compare_speculation(model, spec_workloads(model, 2, 2))
+    result.frame()        # one row per (workload, system, method, k): tokens per target
+                          # forward, acceptance, decode and wall tok/s, speed-up, identity
+    result.mismatches()   # greedy runs whose tokens differ from no speculation (must be [])
+    batch_sweep(model, "doc-qa", requests, spec, (1, 4, 16))  # where drafts stop paying
+
+Every run is greedy, so a speculative run must emit exactly the tokens of the same
+system without speculation; `identical` says whether it did.
+
+kvlab: one paged engine with prefix caching per workload. Each prompt is prefilled once
+(untimed: `prefill_s` keeps it), then every configuration runs every prompt, one prompt
+at a time (batch 1), with the prompt's K/V served from the prefix cache; the order of
+the configurations alternates from prompt to prompt (this machine is shared). The
+engine's speculation is swapped between runs (`set_speculation`); each configuration
+keeps one Speculator, so its SpecStats add up over the prompts. `decode_s` sums the
+step_s of decode steps (the draft model's work included; prompt lookup runs just before
+the step), `wall_s` is the whole `generate` call.
+
+HF: `generate`, plain or with `prompt_lookup_num_tokens=k` (its n-gram drafting, here
+with n-grams of up to PROMPT_LOOKUP_MAX tokens, down to 1), one prompt at a time
+(kvlab.experiments.spec_hf). Each run prefills its prompt (HF's prompt lookup cannot
+start from a prefilled cache): its `decode_s` starts at its second forward, its `wall_s`
+includes the prefill. Its target forwards are counted by a hook, so its tokens per
+forward and acceptance come from the same arithmetic as kvlab's.
+
+The batch-size sweep (`batch_sweep`) cycles one workload's prompts to each batch size
+and runs them at once, with and without n-gram drafting, on the same warm engine.
+`verify_cost` times the model's first MLP on 1 + k rows: what a verify forward costs
+against a plain decode on this device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvlab.engine.engine import Engine
+from kvlab.experiments.spec_kvlab import (  # noqa: F401 (re-exported for notebooks)
+    batch_sweep,
+    kvlab_batch_run,
+    prefix_engine,
+    run_kvlab,
+    set_speculation,
+)
+from kvlab.experiments.spec_runs import SpecResult, SpecRun, mark_identity  # noqa: F401
+from kvlab.model.loading import LoadedModel
+from kvlab.spec import SpeculativeConfig
+from kvlab.workloads import Request, chat, doc_qa, encode_requests
+
+DEFAULT_KS = (1, 2, 4, 8)
+PROMPT_LOOKUP_MIN = 2  # kvlab's n-gram: 2-grams and longer (1-grams match too eagerly)
+PROMPT_LOOKUP_MAX = 4
+LAYERS_K = 2  # the "layers" draft guesses poorly: a short draft wastes less
+
+
+def spec_workloads(
+    model: LoadedModel,
+    doc_qa_prompts: int = 2,
+    chat_prompts: int = 2,
+    max_new_tokens: int = 64,
+    max_prompt_tokens: int | None = None,
+    seed: int = 0,
+) -> dict[str, list[Request]]:
+    """Doc-QA (input-grounded: answers quote the document) and chat requests as token
+    ids, answers capped at max_new_tokens (they stop at EOS before that).
+
+    The doc-QA requests are the first of a seeded doc_qa(16) (every document once) whose
+    prompts fit in max_prompt_tokens (default: the model's context less the answer)."""
+    limit = max_prompt_tokens or model.config.max_position_embeddings - max_new_tokens - 16
+    answer = (max_new_tokens, max_new_tokens)
+    pool = encode_requests(model, doc_qa(16, seed=seed, long_fraction=1.0, long_answer=answer))
+    docs = [r for r in pool if len(r.prompt) <= limit][:doc_qa_prompts]
+    chats = encode_requests(model, chat(chat_prompts, seed=seed, max_new_tokens=answer))
+    return {"doc-qa": docs, "chat": chats}
+
+
+def kvlab_specs(
+    ks: tuple[int, ...] = DEFAULT_KS,
+    layers_k: int | None = LAYERS_K,
+    ngram_min: int = PROMPT_LOOKUP_MIN,
+) -> dict[str, SpeculativeConfig | None]:
+    """The kvlab configurations compared: none, n-gram at each k, the "layers" draft."""
+    specs: dict[str, SpeculativeConfig | None] = {"none": None}
+    for k in ks:
+        specs[f"ngram k={k}"] = SpeculativeConfig(
+            "ngram", k, prompt_lookup_min=ngram_min, prompt_lookup_max=PROMPT_LOOKUP_MAX
+        )
+    if layers_k:
+        specs[f"layers k={layers_k}"] = SpeculativeConfig("layers", layers_k)
+    return specs
+
+
+def hf_runs(
+    model: LoadedModel, workload: str, requests: list[Request], ks: tuple[int, ...]
+) -> list[SpecRun]:
+    """HF `generate`, plain and with prompt lookup at each k, batch 1 (kvlab.experiments
+    .spec_hf); n-grams of up to PROMPT_LOOKUP_MAX tokens, as kvlab's."""
+    from kvlab.experiments.spec_hf import run_hf
+
+    prompts = [list(r.prompt) for r in requests]
+    done = run_hf(model, prompts, [r.max_new_tokens for r in requests], ks, PROMPT_LOOKUP_MAX)
+    runs = []
+    for k, a in done.items():
+        tokens, forwards = sum(map(len, a["outputs"])), len(a["lengths"])
+        decoded = tokens - len(prompts)  # each prompt's forward emits its first token
+        drafted = sum(n - 1 for n in a["lengths"])
+        method = "prompt-lookup" if k else "none"
+        runs.append(
+            SpecRun(workload, "hf", method, k, 1, tokens, decoded, forwards, drafted,
+                    max(0, decoded - forwards), a["decode_s"], a["wall_s"], outputs=a["outputs"])
+        )  # fmt: skip
+    return runs
+
+
+def compare_speculation(
+    model: LoadedModel,
+    workloads: dict[str, list[Request]],
+    ks: tuple[int, ...] = DEFAULT_KS,
+    layers_k: int | None = LAYERS_K,
+    hf: bool = True,
+    sweep_workload: str | None = "doc-qa",
+    sweep_batch_sizes: tuple[int, ...] = (1, 4, 16),
+    sweep_k: int = 4,
+    engines: dict[str, Engine] | None = None,
+    ngram_min: int = PROMPT_LOOKUP_MIN,
+) -> SpecResult:
+    """kvlab (no speculation, n-gram at each k, the "layers" draft) and HF (plain and
+    prompt lookup at each k) on every workload at batch 1, then the batch-size sweep of
+    n-gram at `sweep_k` on `sweep_workload`; see the module doc. `engines`: an idle
+    prefix-caching engine per workload to reuse (its cached prompts save prefills).
+    `ngram_min`: kvlab's prompt_lookup_min (HF's prompt lookup always goes down to 1)."""
+    runs, meta = [], {"prefill_s": {}, "kvlab_vs_hf_identical": {}}
+    specs = kvlab_specs(ks, layers_k, ngram_min)
+    engines = dict(engines or {})
+    for name, requests in workloads.items():
+        requests = encode_requests(model, requests)
+        ours, meta["prefill_s"][name], engines[name] = run_kvlab(
+            model, name, requests, specs, engines.get(name)
+        )
+        mark_identity(ours)
+        runs += ours
+        if hf:
+            theirs = hf_runs(model, name, requests, ks)
+            mark_identity(theirs)
+            runs += theirs
+            eos = set(engines[name].eos_ids)
+            same = [
+                _to_eos(a, eos) == _to_eos(b, eos)
+                for a, b in zip(ours[0].outputs, theirs[0].outputs)
+            ]
+            meta["kvlab_vs_hf_identical"][name] = f"{sum(same)}/{len(same)} prompts"
+    if sweep_workload and sweep_batch_sizes:
+        requests = encode_requests(model, workloads[sweep_workload])
+        spec = kvlab_specs((sweep_k,), None, ngram_min)[f"ngram k={sweep_k}"]
+        runs += batch_sweep(
+            model, sweep_workload, requests, spec, sweep_batch_sizes, engines.get(sweep_workload)
+        )
+    meta["prompt_tokens"] = {
+        name: [len(r.prompt) for r in encode_requests(model, reqs)]
+        for name, reqs in workloads.items()
+    }
+    return SpecResult(runs, meta)
+
+
+def _to_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i]
+    return tokens
+
+
+@torch.inference_mode()
+def verify_cost(
+    model: LoadedModel, rows: tuple[int, ...] = (1, 2, 3, 5, 9, 17), repeats: int = 20
+) -> dict[int, float]:
+    """Milliseconds of the model's first MLP on `rows` tokens at once (the best of
+    `repeats`): what computing 1 + k tokens in one forward costs against 1 on this device.
+    On a GPU a few more rows are nearly free; on a CPU each row adds compute."""
+    mlp = model.hf_model.model.layers[0].mlp
+    hidden = model.config.hidden_size
+    costs = {}
+    for m in rows:
+        x = torch.randn(1, m, hidden, dtype=model.dtype, device=model.device)
+        mlp(x)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mlp(x)
+            best = min(best, time.perf_counter() - start)
+        costs[m] = round(1000 * best, 3)
+    return costs
