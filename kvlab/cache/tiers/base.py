@@ -96,3 +96,23 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027  (most tiers hold nothing outside Python)
         """Release what the tier holds outside Python objects (files)."""
+
+
+class TableTier(Tier):
+    """A tier whose contents are a table `entries`: key -> (salt, what it keeps), least
+    recently used first, with `_nbytes` of stored codes counted by the subclass."""
+
+    entries: dict
+
+    def keys(self) -> list[Key]:
+        return list(self.entries)
+
+    def salt_of(self, key: Key) -> str | None:
+        return self.entries[key][0]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes

@@ -23,7 +23,7 @@ import torch
 
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.tiers import TIERS
-from kvlab.cache.tiers.base import Entry, Key, Tier
+from kvlab.cache.tiers.base import Entry, Key, TableTier
 from kvlab.integrity import require
 
 SUFFIX = ".kvblock"
@@ -71,7 +71,7 @@ def decode_block(key: Key, salt: str | None, data: bytes) -> StoredKV | None:
 
 
 @TIERS.register("disk")
-class DiskTier(Tier):
+class DiskTier(TableTier):
     describe = "a directory, one checksummed file per block, LRU, bounded in blocks"
 
     def __init__(self, capacity_blocks: int, directory: str | Path | None = None):
@@ -145,19 +145,6 @@ class DiskTier(Tier):
         self._drop(key)
         self.stats.discards += 1
         return True
-
-    def keys(self) -> list[Key]:
-        return list(self.entries)
-
-    def salt_of(self, key: Key) -> str | None:
-        return self.entries[key][0]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.entries
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
 
     def check_integrity(self) -> None:
         require(len(self.entries) <= self.capacity_blocks, "disk tier holds more than its capacity")

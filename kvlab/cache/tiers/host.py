@@ -16,12 +16,12 @@ from collections import OrderedDict
 
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.tiers import TIERS
-from kvlab.cache.tiers.base import Entry, Key, Tier
+from kvlab.cache.tiers.base import Entry, Key, TableTier
 from kvlab.integrity import require
 
 
 @TIERS.register("host")
-class HostTier(Tier):
+class HostTier(TableTier):
     describe = "host memory, LRU, bounded in blocks"
 
     def __init__(self, capacity_blocks: int):
@@ -87,19 +87,6 @@ class HostTier(Tier):
         self._nbytes -= entry[1].nbytes
         self.stats.discards += 1
         return True
-
-    def keys(self) -> list[Key]:
-        return list(self.entries)
-
-    def salt_of(self, key: Key) -> str | None:
-        return self.entries[key][0]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.entries
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
 
     def check_integrity(self) -> None:
         held = sum(self.held.values())
