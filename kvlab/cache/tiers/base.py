@@ -104,6 +104,17 @@ class TableTier(Tier):
 
     entries: dict
 
+    def _lookup(self, key: Key, salt: str | None) -> tuple | None:
+        """The entry of `key` if it is held under `salt`; counts a miss or a refusal."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        if entry[0] != salt:
+            self.stats.salt_refusals += 1
+            return None
+        return entry
+
     def keys(self) -> list[Key]:
         return list(self.entries)
 

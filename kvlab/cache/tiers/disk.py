@@ -95,12 +95,8 @@ class DiskTier(TableTier):
         return self.directory / (key.hex() + SUFFIX)
 
     def get(self, key: Key, salt: str | None) -> StoredKV | None:
-        entry = self.entries.get(key)
+        entry = self._lookup(key, salt)
         if entry is None:
-            self.stats.misses += 1
-            return None
-        if entry[0] != salt:
-            self.stats.salt_refusals += 1
             return None
         start = time.perf_counter()
         try:

@@ -35,12 +35,8 @@ class HostTier(TableTier):
         return cls(config.host_blocks)
 
     def get(self, key: Key, salt: str | None) -> StoredKV | None:
-        entry = self.entries.get(key)
+        entry = self._lookup(key, salt)
         if entry is None:
-            self.stats.misses += 1
-            return None
-        if entry[0] != salt:
-            self.stats.salt_refusals += 1
             return None
         start = time.perf_counter()
         self.entries.move_to_end(key)
