@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab.cache import make_cache
-from kvlab.cache.codecs import CODECS
+from kvlab.cache.codecs import CODECS, StoredKV
 from kvlab.cache.codecs.quant import group_size
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
@@ -146,6 +146,28 @@ def test_the_baseline_stores_non_finite_values_as_they_are():
     k[1, 0, 2] = math.nan
     _, k_hat, _ = roundtrip(None, k, k)
     torch.testing.assert_close(k_hat, k, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", [None, *NAMES])
+def test_layer_by_layer_moves_equal_whole_moves_bit_for_bit(name):
+    """KV connectors load and save one layer at a time (read_layer / restore_layer)."""
+    pool = KVPool(KVSpec(3, 2, 32), 96, torch.float32, torch.device("cpu"), name)
+    if not pool.layerwise:
+        with pytest.raises(NotImplementedError, match="every layer at once"):
+            pool.read_layer(0, torch.arange(16))
+        return
+    for layer in range(3):
+        pool.write(layer, torch.arange(40), torch.randn(40, 2, 32), torch.randn(40, 2, 32))
+    source, target = torch.arange(8, 24), torch.arange(64, 80)
+    whole = pool.read(source)
+    parts = StoredKV.cat([pool.read_layer(layer, source) for layer in range(3)])
+    for layer in (2, 0, 1):  # any order
+        pool.restore_layer(layer, target, whole)
+    moved = pool.read(target)
+    for key, tensor in whole.tensors.items():
+        bits = tensor.view(torch.uint8)
+        assert torch.equal(parts.tensors[key].view(torch.uint8), bits), key
+        assert torch.equal(moved.tensors[key].view(torch.uint8), bits), key
 
 
 @pytest.mark.parametrize("name", [None, *NAMES])

@@ -69,6 +69,21 @@ class KVPool:
         self.codec.load(slots, saved)
 
     @torch.inference_mode()
+    def read_layer(self, layer: int, slots: torch.Tensor) -> StoredKV:
+        """`read(slots)`, one layer's share (codecs with `layerwise`)."""
+        return self.codec.export_layer(layer, slots).to("cpu")
+
+    @torch.inference_mode()
+    def restore_layer(self, layer: int, slots: torch.Tensor, saved: StoredKV) -> None:
+        """`restore`, one layer at a time: layer `layer` of `saved` (all layers)."""
+        self.codec.load_layer(layer, slots, saved)
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether KV moves one layer at a time (`read_layer` / `restore_layer`)."""
+        return self.codec.layerwise
+
+    @torch.inference_mode()
     def discard(self, slots: torch.Tensor) -> None:
         """Rejected speculative drafts' slots: the codec rolls back what their writes left."""
         self.codec.discard(slots)

@@ -8,7 +8,9 @@ Block copies (copy-on-write, swap, partial prefix hits) move its stored codes as
 
 Capabilities, as class attributes: `alignment` (slots are used in aligned runs of that
 many positions), `window_tokens` (tokens per sequence held outside `token_bytes`),
-`has_kernel` (kvlab.kernels reads this layout in place), `describe` (one line).
+`has_kernel` (kvlab.kernels reads this layout in place), `layerwise` (`export_layer` /
+`load_layer` move one layer's codes: KV connectors load and save layer by layer),
+`describe` (one line).
 Speculative decoding asks `draft_room` (how far drafts may write) and calls `discard`
 on rejected drafts' slots.
 """
@@ -48,6 +50,16 @@ class StoredKV:
     def to(self, device: torch.device | str) -> StoredKV:
         return StoredKV({k: t.to(device, copy=True) for k, t in self.tensors.items()})
 
+    def layer(self, index: int) -> StoredKV:
+        """Layer `index`'s share (layer-wise codecs): each tensor (1, n, ...)."""
+        return StoredKV({k: t[index : index + 1] for k, t in self.tensors.items()})
+
+    @staticmethod
+    def cat(layers: list[StoredKV]) -> StoredKV:
+        """Layer shares, in layer order, back into one StoredKV (inverse of `layer`)."""
+        names = layers[0].tensors
+        return StoredKV({k: torch.cat([part.tensors[k] for part in layers]) for k in names})
+
 
 class KVCodec(ABC):
     """Stores K and V of `num_slots` token slots in every layer, encoded."""
@@ -56,6 +68,7 @@ class KVCodec(ABC):
     describe: str = ""
     has_kernel: bool = False  # kvlab.kernels reads this layout in place
     alignment: int = 1  # slots are used in aligned runs of this many consecutive positions
+    layerwise: bool = False  # export_layer / load_layer move one layer's codes at a time
     window_tokens: int = 0  # most tokens per sequence held outside token_bytes (kivi2's window)
 
     def __init__(self, spec: KVSpec, num_slots: int, dtype: torch.dtype, device: torch.device):
@@ -95,6 +108,15 @@ class KVCodec(ABC):
         """The codes of `source` slots into `target` slots, in every layer (bit-exact)."""
         self.load(target, self.export(source))
 
+    def export_layer(self, layer: int, slots: torch.Tensor) -> StoredKV:
+        """`layer`'s share of `export(slots)` (layer-wise codecs only)."""
+        raise NotImplementedError(f"codec {self.name!r} moves every layer at once")
+
+    def load_layer(self, layer: int, slots: torch.Tensor, stored: StoredKV) -> None:
+        """Store `stored.layer(layer)`, layer `layer` of what `export` returned, into slots
+        (layer-wise codecs only)."""
+        raise NotImplementedError(f"codec {self.name!r} moves every layer at once")
+
     def draft_room(self, position: int) -> int:
         """Most draft tokens a sequence whose next write lands at `position` may write this
         step (speculative decoding). Token-by-token codecs have no limit."""
@@ -116,6 +138,8 @@ class KVCodec(ABC):
 
 class TokenCodec(KVCodec):
     """A codec that encodes each token on its own: a few stored tensors per slot."""
+
+    layerwise = True
 
     @classmethod
     @abstractmethod
@@ -179,3 +203,10 @@ class TokenCodec(KVCodec):
     def load(self, slots: torch.Tensor, stored: StoredKV) -> None:
         for name, tensor in self._named_fields().items():
             tensor[:, slots] = stored.tensors[name].to(tensor.device)
+
+    def export_layer(self, layer: int, slots: torch.Tensor) -> StoredKV:
+        return StoredKV({n: t[layer : layer + 1, slots] for n, t in self._named_fields().items()})
+
+    def load_layer(self, layer: int, slots: torch.Tensor, stored: StoredKV) -> None:
+        for name, tensor in self._named_fields().items():
+            tensor[layer, slots] = stored.tensors[name][layer].to(tensor.device)
