@@ -48,10 +48,12 @@ PREFIXES = ([5 + (7 * j) % 400 for j in range(40)], [900 + (13 * j) % 500 for j 
 
 
 @st.composite
-def engine_configs(draw) -> dict:
+def engine_configs(draw, preemption: str | None = None) -> dict:
+    """An engine config; `preemption="swap"` focuses the draw on swapping (a pressured
+    paged pool, full retention), for the mutation tests that break swap-in."""
     kv_codec = draw(st.sampled_from([None, *CODECS.names()]))
     aligned = kv_codec == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
-    pressured = draw(st.booleans())  # a small pool that must preempt to serve a burst
+    pressured = preemption is not None or draw(st.booleans())  # a pool that must preempt
     cache = "paged" if pressured else draw(st.sampled_from(["naive", "paged"]))
     config = dict(
         cache=cache,
@@ -62,7 +64,7 @@ def engine_configs(draw) -> dict:
         chunked_prefill=draw(st.booleans()),
         schedule_order=draw(st.sampled_from(["prefill-first", "decode-first"])),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
-        preemption=draw(st.sampled_from(["recompute", "swap"])),
+        preemption=preemption or draw(st.sampled_from(["recompute", "swap"])),
         poison_freed=draw(st.booleans()),
         speculative=draw(st.sampled_from(SPECULATIVE)),
     )
@@ -84,7 +86,11 @@ def engine_configs(draw) -> dict:
                       max_num_seqs=8)  # fmt: skip
     if config["prefix_caching"] == "hash" and draw(st.booleans()):
         config["tiers"] = draw(tier_configs())
-    retention = draw(st.sampled_from(["full", "full", "full", "window", "sinks", "h2o"]))
+    retention = (
+        "full"
+        if preemption
+        else draw(st.sampled_from(["full", "full", "full", "window", "sinks", "h2o"]))
+    )
     if retention != "full":  # outputs then differ from the oracle: checked for consistency
         config.update(retention=retention, preemption="recompute", attention="torch",
                       speculative=None, retention_window=draw(st.sampled_from([1, 8, 24])),

@@ -14,7 +14,8 @@ import contextlib
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
-from test_engine_fuzz import EngineMachine, Oracle
+from hypothesis.stateful import initialize
+from test_engine_fuzz import EngineMachine, Oracle, engine_configs
 from test_reliability import (
     test_a_one_token_prompt_is_scheduled_once_per_step,
     test_static_batching_resumes_swapped_requests,
@@ -69,9 +70,17 @@ def oversubscribed(mode: str, chunked: bool):
     return run
 
 
-def state_machine(model):
-    EngineMachine.model, EngineMachine.oracle = model, Oracle(model)
-    EngineMachine.TestCase.settings = settings(
+class SwapMachine(EngineMachine):
+    """The engine state machine drawing only pressured pools that swap."""
+
+    @initialize(config=engine_configs(preemption="swap"))
+    def build(self, config):
+        super().build(config)
+
+
+def state_machine(model, machine=EngineMachine):
+    machine.model, machine.oracle = model, Oracle(model)
+    machine.TestCase.settings = settings(
         max_examples=60,
         stateful_step_count=40,
         deadline=None,
@@ -80,7 +89,11 @@ def state_machine(model):
         phases=[Phase.generate],  # finding the failure is enough; no shrinking
         suppress_health_check=list(HealthCheck),
     )
-    EngineMachine.TestCase().runTest()
+    machine.TestCase().runTest()
+
+
+def swapping_state_machine(model):
+    state_machine(model, SwapMachine)
 
 
 def one_token_prompt(model):
@@ -94,7 +107,7 @@ def static_swap(model):
 # Each mutation, and the equality tests that exercise the path it breaks.
 MATRIX = {
     swap_in_restores_zeros: [oversubscribed("swap", False), oversubscribed("swap", True),
-                             static_swap, state_machine],
+                             static_swap, swapping_state_machine],
     slot_off_by_one: [oversubscribed("recompute", False), oversubscribed("swap", True),
                       one_token_prompt, state_machine],
     freed_block_handed_out_twice: [oversubscribed("recompute", False),
