@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvlab
+from kvlab.cache.pool import KVPool
 from kvlab.cache.tiers import TierConfig
 from kvlab.config import SamplingParams
 from kvlab.experiments import tiers as tier_exp
@@ -66,6 +67,40 @@ def test_a_tier_hit_equals_recompute_and_never_crosses_salts(tiny_model):
     assert same.metrics.prefix_hit_tokens == 96 and connector.transfers.onloads == {"host": 6}
     assert other.token_ids == same.token_ids == expected.token_ids
     assert any(n.kind == "tiers" for n in same.notes)
+    e.cache.check_integrity()
+
+
+@pytest.mark.parametrize("kv_codec", [None, "int8", "kivi2"])
+def test_the_worker_side_moves_kv_layer_by_layer(tiny_model, kv_codec, monkeypatch):
+    """Saves read, and loads write, one layer at a time in layer order (kivi2: whole)."""
+    calls = []
+    for name in ("read", "restore", "read_layer", "restore_layer"):
+        method = getattr(KVPool, name)
+
+        def spy(pool, *args, _name=name, _method=method):
+            calls.append((_name, args[0] if _name.endswith("layer") else None))
+            return _method(pool, *args)
+
+        monkeypatch.setattr(KVPool, name, spy)
+    e = engine(tiny_model, TierConfig(tiers=("host",), host_blocks=64), kv_codec=kv_codec)
+    cold = engine(tiny_model, None, kv_codec=kv_codec)
+    ids = prompt(2)
+    [first] = e.generate([ids], ONE)
+    calls.clear()
+    blocks = e.cache.connector.offload_cached()
+    assert blocks == len(ids) // 16
+    layers = tiny_model.hf_model.config.num_hidden_layers
+    layerwise = e.cache.pool.layerwise
+    saves = [("read_layer", i) for i in range(layers)] if layerwise else [("read", None)]
+    assert calls == saves * blocks
+    calls.clear()
+    [again] = e.generate([ids], ONE)
+    loads = [("restore_layer", i) for i in range(layers) for _ in range(blocks)]
+    assert calls[: len(loads) if layerwise else blocks] == (
+        loads if layerwise else [("restore", None)] * blocks
+    )
+    assert e.cache.connector.transfers.onloads == {"host": blocks}
+    assert first.token_ids == again.token_ids == cold.generate([ids], ONE)[0].token_ids
     e.cache.check_integrity()
 
 

@@ -13,10 +13,13 @@ vLLM splits a connector in two roles, one object in each process:
 
 kvlab runs both roles in one process, synchronously: when the scheduler admits a request,
 `TierConnector.promote` (kvlab/cache/tiers/connector.py) asks how many tokens the tiers
-hold, allocates device blocks, builds the metadata and runs the worker side at once (the
-loads finish before the scheduling call returns, so `wait_for_layer_load` has nothing to
-wait for; vLLM overlaps layer i's load with layer i-1's compute). Saves copy whole blocks,
-every layer at once, when a block is evicted (write-back) or its request is released
+hold, allocates device blocks, builds the metadata and runs the worker side at once, layer
+by layer: `wait_for_layer_load(i)` writes layer i of every loaded block into the pool and
+`save_kv_layer(i)` reads layer i of every block to save, and `wait_for_save` puts a saved
+block's layers together for the tiers (codecs with `layerwise`; kivi2's windows span layers,
+so its blocks move whole). The loads finish before the scheduling call returns; vLLM makes
+the per-layer calls inside the forward, overlapping layer i's load with layer i-1's compute.
+Saves happen when a block is evicted (write-back) or its request is released
 (write-through).
 """
 

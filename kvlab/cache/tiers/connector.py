@@ -43,6 +43,7 @@ class TierConnector(KVConnector):
         self._loads: list[tuple[int, StoredKV, str]] = []  # scheduler side, not yet built
         self._saves: list[tuple[int, bytes, str | None, bool]] = []
         self._bound = ConnectorMeta()
+        self._saved: dict[int, list[StoredKV]] = {}  # bound save -> its layers read so far
         self._prefetched: set[int] = set()  # request ids already prefetched
 
     @property
@@ -165,7 +166,9 @@ class TierConnector(KVConnector):
 
     # --- worker side ------------------------------------------------------------------
     def _run_worker(self) -> None:
-        """kvlab's one-process shortcut: the worker side runs the metadata at once."""
+        """kvlab's one-process shortcut: the worker side runs the metadata at once, layer by
+        layer (vLLM makes these calls inside each attention layer of the forward, so layer
+        i's load overlaps layer i-1's compute)."""
         self.bind_connector_metadata(self.build_connector_meta())
         self.start_load_kv()
         for layer in range(self.cache.pool.spec.num_layers):
@@ -175,27 +178,54 @@ class TierConnector(KVConnector):
 
     def bind_connector_metadata(self, meta):
         self._bound = meta
+        self._saved = {i: [] for i in range(len(meta.saves))}
 
     def start_load_kv(self):
-        for block, stored, tier in self._bound.loads:
-            start = time.perf_counter()
-            self.cache.pool.restore(self.cache.block_slots([block]), stored)
-            t = self.transfers
-            t.onloads[tier] = t.onloads.get(tier, 0) + 1
-            t.onload_s[tier] = t.onload_s.get(tier, 0.0) + time.perf_counter() - start
-            t.bytes_onloaded += stored.nbytes
-        self._bound.loads = []
+        """Fetching from the tiers happened at `promote`; a codec whose state spans layers
+        (kivi2) loads its blocks whole here, a layer-wise one waits for each layer."""
+        if not self.cache.pool.layerwise:
+            for load in self._bound.loads:
+                self._timed_load(load, None)
+            self._bound.loads = []
 
     def wait_for_layer_load(self, layer):
-        require(not self._bound.loads, f"layer {layer}: loads still pending")
+        """Layer `layer` of every bound load into its device block."""
+        for load in self._bound.loads:
+            self._timed_load(load, layer)
+        if layer == self.cache.pool.spec.num_layers - 1:
+            self._bound.loads = []
+
+    def _timed_load(self, load: tuple[int, StoredKV, str], layer: int | None) -> None:
+        block, stored, tier = load
+        start, pool, slots = time.perf_counter(), self.cache.pool, self.cache.block_slots([block])
+        if layer is None:
+            pool.restore(slots, stored)
+        else:
+            pool.restore_layer(layer, slots, stored)
+        t, whole = self.transfers, layer in (None, 0)  # a block counts once, at its first layer
+        t.onloads[tier] = t.onloads.get(tier, 0) + int(whole)
+        t.onload_s[tier] = t.onload_s.get(tier, 0.0) + time.perf_counter() - start
+        t.bytes_onloaded += stored.nbytes if whole else 0
 
     def save_kv_layer(self, layer):
-        pass  # kvlab saves whole blocks (every layer at once) in wait_for_save
+        """Read layer `layer` of every bound save off the device (layer-wise codecs)."""
+        if not self.cache.pool.layerwise:
+            return
+        for i, (block, *_) in enumerate(self._bound.saves):
+            start = time.perf_counter()
+            self._saved[i].append(
+                self.cache.pool.read_layer(layer, self.cache.block_slots([block]))
+            )
+            self.transfers.offload_s += time.perf_counter() - start
 
     def wait_for_save(self):
-        for block, key, salt, everywhere in self._bound.saves:
+        """Every bound save, its layers put together (or read whole), into the tiers."""
+        for i, (block, key, salt, everywhere) in enumerate(self._bound.saves):
             start = time.perf_counter()
-            stored = self.cache.pool.read(self.cache.block_slots([block]))
+            if self._saved[i]:
+                stored = StoredKV.cat(self._saved[i])
+            else:
+                stored = self.cache.pool.read(self.cache.block_slots([block]))
             self.transfers.offloads += 1
             self.transfers.offload_s += time.perf_counter() - start
             self.transfers.bytes_offloaded += stored.nbytes
@@ -203,7 +233,7 @@ class TierConnector(KVConnector):
                 self.stack.save_everywhere(key, salt, stored)
             else:
                 self.stack.save(key, salt, stored)
-        self._bound.saves = []
+        self._bound.saves, self._saved = [], {}
 
     # --- swap preemption through the host tier ---------------------------------------
     def _host(self):
