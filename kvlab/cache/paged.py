@@ -363,11 +363,17 @@ class PagedCache(KVCache):
         return need <= available - self._headroom(alone)
 
     def swap_in(self, seq: Sequence, saved: StoredKV) -> None:
+        self.allocate_computed(seq)
+        self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
+        self.drop_swapped(seq)
+
+    def allocate_computed(self, seq: Sequence) -> list[int]:
+        """A block table for `seq`'s `num_computed` tokens, whose KV is written in from
+        outside: swap-in restores it, a KV connector loads it (kvlab.disagg). Returns it."""
         self.tables[seq.request_id] = []
         self.sequences[seq.request_id] = seq
         self.ensure_capacity(seq, seq.num_computed)
-        self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
-        self.drop_swapped(seq)
+        return self.tables[seq.request_id]
 
     def drop_swapped(self, seq: Sequence) -> None:
         if self.connector is not None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 import torch.multiprocessing as mp
 
 from kvlab.config import EngineConfig, SamplingParams
+from kvlab.disagg.connector import PrefillDecodeConnector
 from kvlab.disagg.prefill import prefill_main
 from kvlab.disagg.transfer import KVTransfer
 from kvlab.engine.engine import Engine, Prompt
@@ -55,6 +56,7 @@ class Disaggregated:
             raise ValueError(f"the decode engine's cache={decode.cache!r} cannot admit KV "
                              "from outside (it does not swap): use cache='paged'")  # fmt: skip
         self.stats = TransferStats()
+        self.consumer = PrefillDecodeConnector("kv_consumer", self.decode.cache)
         context = mp.get_context("spawn")
         self.conn, child = context.Pipe()  # a local socket pair
         name = None if model.name == EMBEDDED_MODEL else model.name
@@ -135,26 +137,29 @@ class Disaggregated:
         return [outputs[i] for i in range(len(seqs))]
 
     def _admit(self, transfer: KVTransfer, seq) -> tuple[int, list[RequestOutput]]:
-        """Queue a transferred request as a swap-in (or, if its KV is bad, as a new
-        request to recompute). Returns its id and its output if its first token ends it."""
+        """Hand a transfer to the consumer connector and queue its request as an arrival
+        (swapped in when it fits, its KV loaded through the connector), or, if its KV is
+        bad, as a new request to recompute. Returns its id and its output if its first
+        token ends it."""
         engine, stats = self.decode, self.stats
         stats.transfers += 1
         stats.bytes_moved += transfer.nbytes
         stats.prefill_s += transfer.prefill_s
-        pool = engine.cache.pool  # grouped codecs (kivi2) also move their windows
-        exact = pool.bytes_per_token if pool.codec.alignment == 1 else None
-        if not transfer.intact(exact):
+        self.consumer.receive(seq, transfer)
+        matched, _ = self.consumer.get_num_new_matched_tokens(seq, 0)
+        if not matched:
             stats.rejected += 1
             engine.enqueue(seq)  # recomputed from its prompt: never decoded on bad KV
             return seq.request_id, []
         seq.output_ids.append(transfer.first_token)
-        seq.num_computed = len(seq.prompt_ids)
+        seq.num_computed = matched
         seq.first_token_s = engine.clock()
         seq.token_times.append(seq.first_token_s)
         reason = engine._finish_reason(seq, transfer.first_token)
         if reason:
+            self.consumer.request_finished(seq, [])
             return seq.request_id, engine._retire(seq, reason, engine.clock())
-        engine.scheduler.add_swapped(seq, transfer.stored)
+        engine.scheduler.add_arrived(seq, self.consumer)
         return seq.request_id, []
 
     def close(self) -> None:

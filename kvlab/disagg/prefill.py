@@ -7,7 +7,8 @@ import time
 import torch
 
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.disagg.transfer import KVTransfer, checksum
+from kvlab.disagg.connector import PrefillDecodeConnector
+from kvlab.disagg.transfer import KVTransfer
 
 
 def _damage(transfer: KVTransfer, fault: str) -> None:
@@ -24,8 +25,9 @@ def _damage(transfer: KVTransfer, fault: str) -> None:
 def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str | None) -> None:
     """Loop: receive (index, prompt_ids, params) batches, prefill them, send transfers.
 
-    Each request runs until its first token; its KV is read out (the codec's stored
-    bytes), checksummed and sent, and the request is cancelled, freeing its blocks.
+    Each request runs until its first token; its KV then goes through the producer
+    connector (read off the pool layer by layer, checksummed) onto the pipe, and the
+    request is cancelled, freeing its blocks.
     """
     from kvlab.engine.engine import Engine
     from kvlab.model.loading import load_model
@@ -33,11 +35,26 @@ def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str |
     torch.set_num_threads(1)
     engine = Engine(load_model(model_name, device="cpu", dtype=dtype, progress=False),
                     EngineConfig(**config))  # fmt: skip
+    sending: dict[int, tuple[int, SamplingParams, float]] = {}  # request id -> index,
+    # params, prefill step's wall time
+
+    def send(seq, stored, digest) -> None:  # the producer's transport: the pipe
+        index, params, took = sending.pop(seq.request_id)
+        transfer = KVTransfer(
+            index, seq.prompt_ids, params, seq.output_ids[0], engine.cache.pool.kv_codec,
+            stored, digest, took,
+        )  # fmt: skip
+        if fault:
+            _damage(transfer, fault)
+        conn.send(("kv", transfer))
+
+    producer = PrefillDecodeConnector("kv_producer", engine.cache, transport=send)
     conn.send(("ready", None))
     while True:
         kind, batch = conn.recv()
         if kind == "stop":
             engine.cache.check_integrity()
+            producer.check_integrity()
             conn.send(("stopped", engine.cache.num_blocks - engine.cache.num_available))
             return
         ids = {}
@@ -50,18 +67,9 @@ def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str |
             for seq in list(engine.scheduler.running):
                 if seq.request_id not in ids or not seq.output_ids:
                     continue
-                index, params = ids.pop(seq.request_id)
-                cache = engine.cache
-                stored = cache.pool.read(cache.position_slots(seq, 0, seq.num_computed))
-                digest = checksum(stored)
-                transfer = KVTransfer(
-                    index, seq.prompt_ids, params, seq.output_ids[0], cache.pool.kv_codec,
-                    stored, digest, took,
-                )  # fmt: skip
-                if fault:
-                    _damage(transfer, fault)
+                sending[seq.request_id] = (*ids.pop(seq.request_id), took)
+                producer.request_finished(seq, engine.cache.block_table(seq))  # sends
                 engine.cancel(seq.request_id)
-                conn.send(("kv", transfer))
 
 
 def _first_token_only(params: SamplingParams) -> SamplingParams:

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvlab.cache.base import KVCache
 from kvlab.config import EngineConfig
 from kvlab.engine.sequence import Note, RequestState, Sequence
+
+if TYPE_CHECKING:
+    from kvlab.disagg.connector import PrefillDecodeConnector
 
 Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
 
@@ -108,6 +112,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by queue_key
         self.swap_space: dict[int, object] = {}  # request id -> its KV in host memory
+        self.arrivals: dict[int, PrefillDecodeConnector] = {}  # request id -> the connector
+        # its KV arrives through (another engine prefilled it)
         self.events: list[Event] = []
         self.preemptions = self.swapped_bytes = self.recomputed_tokens = 0
         self.batch_open = True  # static batching: admit only until the batch starts decoding
@@ -129,11 +135,12 @@ class Scheduler:
         self.running.append(seq)
         self.events.append(Event(self._now, seq.request_id, RequestState.RUNNING))
 
-    def add_swapped(self, seq: Sequence, saved: object) -> None:
-        """A request whose KV arrives from elsewhere (another engine's prefill) waits in
-        `swapped` with it, and is swapped in like a preempted one."""
+    def add_arrived(self, seq: Sequence, connector: PrefillDecodeConnector) -> None:
+        """A request whose KV arrived from elsewhere (another engine's prefill) waits in
+        `swapped`, and is swapped in like a preempted one: the cache allocates its blocks
+        and `connector` loads its KV into them."""
         seq.status = RequestState.SWAPPED
-        self.swap_space[seq.request_id] = saved
+        self.arrivals[seq.request_id] = connector
         bisect.insort(self.swapped, seq, key=queue_key)
         self.events.append(Event(self._now, seq.request_id, RequestState.SWAPPED))
 
@@ -152,8 +159,11 @@ class Scheduler:
             self.cache.free(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
-            del self.swap_space[seq.request_id]
-            self.cache.drop_swapped(seq)
+            if seq.request_id in self.arrivals:  # its KV never loaded
+                self.arrivals.pop(seq.request_id).request_finished(seq, [])
+            else:
+                del self.swap_space[seq.request_id]
+                self.cache.drop_swapped(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = state
@@ -342,7 +352,10 @@ class Scheduler:
             if not self.cache.can_swap_in(seq, alone=not self.running):
                 break
             self.swapped.pop(0)
-            self.cache.swap_in(seq, self.swap_space.pop(seq.request_id))
+            if seq.request_id in self.arrivals:
+                self.arrivals.pop(seq.request_id).load(seq)
+            else:
+                self.cache.swap_in(seq, self.swap_space.pop(seq.request_id))
             seq.status = RequestState.RUNNING
             self._resume(seq)
             self.running.append(seq)
