@@ -21,6 +21,13 @@ so its blocks move whole). The loads finish before the scheduling call returns; 
 the per-layer calls inside the forward, overlapping layer i's load with layer i-1's compute.
 Saves happen when a block is evicted (write-back) or its request is released
 (write-through).
+
+`PrefillDecodeConnector` (kvlab/disagg/connector.py) moves a prefilled request between two
+engines, with vLLM's P/D roles: on the prefill engine the "kv_producer" (`request_finished`
+saves the request's KV layer by layer, `wait_for_save` sends it), on the decode engine the
+"kv_consumer" (`get_num_new_matched_tokens` counts an arrived intact transfer's tokens,
+`wait_for_layer_load` restores it layer by layer into the blocks swap-in allocated). Each
+connector fills `ConnectorMeta` with its own entries (vLLM subclasses its metadata).
 """
 
 from __future__ import annotations
@@ -29,17 +36,17 @@ import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from kvlab.cache.codecs import StoredKV
 from kvlab.engine.sequence import Sequence
 
 
 @dataclass
 class ConnectorMeta:
-    """What the worker side must do this step: blocks to load and blocks to save."""
+    """What the worker side must do this step: KV to load and KV to save, as entries the
+    connector defines (TierConnector's below; PrefillDecodeConnector's are per request)."""
 
-    loads: list[tuple[int, StoredKV, str]] = field(default_factory=list)  # block, codes, tier
-    saves: list[tuple[int, bytes, str | None, bool]] = field(default_factory=list)  # block,
-    # key, salt, everywhere (write-through) or the first tier only (write-back)
+    loads: list[tuple] = field(default_factory=list)  # TierConnector: block, codes, tier
+    saves: list[tuple] = field(default_factory=list)  # TierConnector: block, key, salt,
+    # everywhere (write-through) or the first tier only (write-back)
 
 
 class KVConnector(ABC):

@@ -3,17 +3,22 @@
 A prefill engine (a spawned process, `prefill.py`) computes each prompt's KV and its first
 token; the request's KV blocks then travel to the decode engine (this process) as the
 codec's stored bytes with a checksum (`transfer.py`), over a local socket (a
-multiprocessing pipe). The decode engine admits the request the way it swaps a preempted
-one back in: blocks allocated, stored KV restored, decoding continues from the first
-token. A transfer that arrives corrupted or truncated is detected and the request is
-recomputed from its prompt, never decoded on bad KV (`pair.py`).
+multiprocessing pipe). They move through the KV connector interface
+(kvlab.cache.connector), as vLLM's P/D connectors do (`connector.py`): the prefill
+engine's connector is the "kv_producer" (saves each layer's codes off its pool, sends
+them), the decode engine's the "kv_consumer" (checks what arrived, loads it layer by
+layer). The decode engine admits the request the way it swaps a preempted one back in:
+blocks allocated, the KV loaded into them, decoding continues from the first token. A
+transfer that arrives corrupted or truncated is detected and the request is recomputed
+from its prompt, never decoded on bad KV (`pair.py`).
 
 As vLLM's docs say of its disaggregated prefill: this does not raise throughput; it keeps
 long prompts' prefills from stalling the running decodes (time to first token decoupled
 from inter-token latency).
 """
 
+from kvlab.disagg.connector import PrefillDecodeConnector
 from kvlab.disagg.pair import Disaggregated
 from kvlab.disagg.transfer import KVTransfer
 
-__all__ = ["Disaggregated", "KVTransfer"]
+__all__ = ["Disaggregated", "KVTransfer", "PrefillDecodeConnector"]

@@ -2,8 +2,8 @@
 
 The scheduler owns three queues: `waiting` (new and recompute-preempted requests, by
 priority then arrival), `running` (their KV is in the cache) and `swapped` (their KV sits
-in host memory). Each step it builds one batch within the token budget, and schedules
-every sequence at most once:
+in host memory, or arrived from another engine's prefill: kvlab.disagg). Each step it
+builds one batch within the token budget, and schedules every sequence at most once:
 
 - without chunked prefill, a step is either a prefill (whole prompts of newly admitted
   requests) or a decode (one token for every running sequence, within the budget);
