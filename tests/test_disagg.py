@@ -29,12 +29,16 @@ def test_tokens_equal_one_engine(tiny_model, fault):
     decode = pair.decode.cache
     decode.check_integrity()
     assert decode.num_available == decode.num_blocks and pair.prefill_blocks_held == 0
+    assert not pair.consumer.arrived  # every intact transfer loaded
+    pair.consumer.check_integrity()
     stats = pair.stats
     assert stats.transfers == len(PROMPTS)
     if fault is None:
         assert stats.rejected == 0
         prompt_kv = sum(len(p) for p in PROMPTS) * decode.pool.bytes_per_token
         assert stats.bytes_moved == prompt_kv  # exactly the prompts' KV, nothing more
+        loaded = pair.consumer.stats  # through the consumer connector, one layer at a time
+        assert loaded.requests == len(PROMPTS) and sum(loaded.layer_bytes) == prompt_kv
     else:
         assert stats.rejected == len(PROMPTS)  # every spoiled transfer recomputed
 

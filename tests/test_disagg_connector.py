@@ -147,3 +147,37 @@ def test_method_table_covers_both_roles(tiny_model):
     assert docs["get_num_new_matched_tokens"].startswith("Consumer")
     with pytest.raises(IntegrityError, match="kv_role"):
         PrefillDecodeConnector("kv_both", cache)
+
+
+def queue_arrived(decode, consumer, seq, transfer) -> None:
+    """What Disaggregated._admit does with an intact transfer: the first token is known,
+    the prompt's KV waits in the connector, the request waits in `swapped`."""
+    seq.output_ids.append(transfer.first_token)
+    seq.num_computed = len(transfer.prompt_ids)
+    seq.first_token_s = decode.clock()
+    seq.token_times.append(seq.first_token_s)
+    decode.scheduler.add_arrived(seq, consumer)
+
+
+def test_arrived_request_decodes_like_one_engine(tiny_model):
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    (expected,) = engine(tiny_model).generate([PROMPT], params)
+    transfer, _ = prefill(tiny_model)
+    decode, consumer, seq, _ = arrive(tiny_model, transfer)
+    seq.params = params
+    queue_arrived(decode, consumer, seq, transfer)
+    outs = []
+    while decode.has_unfinished():
+        outs += decode.step()
+    assert [o.token_ids for o in outs] == [expected.token_ids]
+    assert consumer.stats.requests == 1 and not consumer.arrived
+    assert decode.cache.num_available == decode.cache.num_blocks
+
+
+def test_cancelled_before_loading_forgets_the_transfer(tiny_model):
+    transfer, _ = prefill(tiny_model)
+    decode, consumer, seq, _ = arrive(tiny_model, transfer)
+    queue_arrived(decode, consumer, seq, transfer)
+    assert decode.cancel(seq.request_id)
+    assert not consumer.arrived and consumer.stats.requests == 0
+    assert decode.cache.num_available == decode.cache.num_blocks
