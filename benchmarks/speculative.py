@@ -1,4 +1,4 @@
-"""Speculative decoding: kvlab's n-gram and "layers" drafts beside HF's prompt lookup.
+"""Speculative decoding: kvlab's n-gram and "layers" drafts beside HF's and vLLM's.
 
     python benchmarks/speculative.py [--doc-qa 3] [--chat 3] [--new-tokens 64] [--ks 1,2,4,8]
     python benchmarks/speculative.py --quick --model PATH   # 1 + 1 prompts, 8 tokens, seconds
@@ -6,7 +6,9 @@
 One run (kvlab.experiments.speculative): at batch 1 on doc-QA (answers quote a ~1,700-
 token document) and chat prompts, kvlab without speculation, with n-gram drafting at
 each k and with its self-speculative "layers" draft, and HF `generate`, plain and with
-`prompt_lookup_num_tokens=k`; then n-gram at k=4 against none at growing batch sizes.
+`prompt_lookup_num_tokens=k`, and (where `make peers` built .venv-vllm) vLLM plain and
+with its n-gram speculative decoding at each k; then n-gram at k=4 against none at
+growing batch sizes.
 Prints JSON: per run, output tokens per target forward, acceptance, decode and wall
 tok/s, speed-up over the same system without speculation, and whether the greedy tokens
 equal that run's ("mismatches" lists any that do not: there must be none).
@@ -18,6 +20,7 @@ import sys
 
 from kvlab.experiments import speculative
 from kvlab.experiments.scripts import load, machine, report, script_parser
+from kvlab.experiments.vllm_peer import vllm_missing
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,6 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ks", help="n-gram k values: default 1,2,4,8 (--quick: 2)")
     parser.add_argument("--batch-sizes", help="sweep: default 1,4,16 (--quick: 1,2)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF's prompt lookup")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's n-gram drafting "
+                        "(run where `make peers` built .venv-vllm)")  # fmt: skip
     args = parser.parse_args(argv)
     model = load(args)
     quick = args.quick
@@ -46,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
         ks,
         layers_k=1 if quick else speculative.LAYERS_K,
         hf=not args.no_hf,
+        vllm=not args.no_vllm and vllm_missing() is None,
         sweep_batch_sizes=sizes,
         sweep_k=ks[-1] if quick else 4,
     )

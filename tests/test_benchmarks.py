@@ -139,7 +139,7 @@ def test_bench_vs_hf_quick(tiny_model_path, tmp_path, capsys):
 
 
 def test_speculative_quick(tiny_model_path):
-    result = run_script("speculative", tiny_model_path)
+    result = run_script("speculative", tiny_model_path, "--no-vllm")  # tests/test_spec_vllm.py
     assert result["mismatches"] == []
     runs = result["runs"]
     # per workload: kvlab none, ngram k=2, layers k=1; hf none, prompt lookup k=2; then

@@ -26,11 +26,16 @@ def script_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a tiny workload (seconds)")
     parser.add_argument("--model", help="a local model directory (default: the embedded model)")
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 "
+                        "keeps timings steady on a machine shared with other work)")  # fmt: skip
     return parser
 
 
 def load(args: argparse.Namespace) -> LoadedModel:
-    """The model `--model` names (default: the embedded SmolLM2-135M-Instruct)."""
+    """The model `--model` names (default: the embedded SmolLM2-135M-Instruct), after
+    setting torch's threads to `--threads`."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     return load_model(args.model, progress=False)
 
 

@@ -27,6 +27,10 @@ forward and acceptance come from the same arithmetic as kvlab's.
 
 The batch-size sweep (`batch_sweep`) cycles one workload's prompts to each batch size
 and runs them at once, with and without n-gram drafting, on the same warm engine.
+vLLM (`vllm=True`, where `make peers` built .venv-vllm): its engine without speculation
+and with n-gram drafting at each k, batch 1, EOS ignored (kvlab.experiments.spec_vllm);
+its drafted and accepted tokens are its own counts, its decode_s is its whole run.
+
 `verify_cost` times the model's first MLP on 1 + k rows: what a verify forward costs
 against a plain decode on this device.
 """
@@ -34,6 +38,7 @@ against a plain decode on this device.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -126,13 +131,17 @@ def compare_speculation(
     sweep_k: int = 4,
     engines: dict[str, Engine] | None = None,
     ngram_min: int = PROMPT_LOOKUP_MIN,
+    vllm: bool = False,
 ) -> SpecResult:
-    """kvlab (no speculation, n-gram at each k, the "layers" draft) and HF (plain and
-    prompt lookup at each k) on every workload at batch 1, then the batch-size sweep of
-    n-gram at `sweep_k` on `sweep_workload`; see the module doc. `engines`: an idle
-    prefix-caching engine per workload to reuse (its cached prompts save prefills).
+    """kvlab (no speculation, n-gram at each k, the "layers" draft), HF (plain and
+    prompt lookup at each k) and, with `vllm`, vLLM (plain and n-gram at each k, with
+    kvlab's prompt_lookup_min and _max) on every workload at batch 1, then the batch-size
+    sweep of n-gram at `sweep_k` on `sweep_workload`; see the module doc. `engines`: an
+    idle prefix-caching engine per workload to reuse (its cached prompts save prefills).
     `ngram_min`: kvlab's prompt_lookup_min (HF's prompt lookup always goes down to 1)."""
     runs, meta = [], {"prefill_s": {}, "kvlab_vs_hf_identical": {}}
+    if vllm:
+        meta["kvlab_vs_vllm_identical"] = {}
     specs = kvlab_specs(ks, layers_k, ngram_min)
     engines = dict(engines or {})
     for name, requests in workloads.items():
@@ -142,16 +151,22 @@ def compare_speculation(
         )
         mark_identity(ours)
         runs += ours
-        if hf:
-            theirs = hf_runs(model, name, requests, ks)
+        peers = {"hf": hf_runs} if hf else {}
+        if vllm:
+            from kvlab.experiments.spec_vllm import vllm_runs
+
+            peers["vllm"] = partial(
+                vllm_runs,
+                lookup_min=ngram_min,
+                lookup_max=PROMPT_LOOKUP_MAX,
+                threads=torch.get_num_threads(),
+            )  # as many as kvlab's
+        for peer, peer_runs in peers.items():
+            theirs = peer_runs(model, name, requests, ks)
             mark_identity(theirs)
             runs += theirs
             eos = set(engines[name].eos_ids)
-            same = [
-                _to_eos(a, eos) == _to_eos(b, eos)
-                for a, b in zip(ours[0].outputs, theirs[0].outputs)
-            ]
-            meta["kvlab_vs_hf_identical"][name] = f"{sum(same)}/{len(same)} prompts"
+            meta[f"kvlab_vs_{peer}_identical"][name] = _agreement(ours[0], theirs[0], eos)
     if sweep_workload and sweep_batch_sizes:
         requests = encode_requests(model, workloads[sweep_workload])
         spec = kvlab_specs((sweep_k,), None, ngram_min)[f"ngram k={sweep_k}"]
@@ -163,6 +178,12 @@ def compare_speculation(
         for name, reqs in workloads.items()
     }
     return SpecResult(runs, meta)
+
+
+def _agreement(ours: SpecRun, theirs: SpecRun, eos: set[int]) -> str:
+    """How many prompts' greedy tokens (up to EOS) are the same in both runs."""
+    same = [_to_eos(a, eos) == _to_eos(b, eos) for a, b in zip(ours.outputs, theirs.outputs)]
+    return f"{sum(same)}/{len(same)} prompts"
 
 
 def _to_eos(tokens: list[int], eos: set[int]) -> list[int]:

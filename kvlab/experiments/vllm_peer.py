@@ -124,6 +124,9 @@ class VllmRun:
     peak_running: int
     peak_waiting: int
     preemptions: int
+    drafts: int = 0  # speculative verifications (engine args with a speculative_config)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
 
     @property
     def cpu_percent(self) -> float:
@@ -215,6 +218,9 @@ class VllmPeer:
             peak_running=answer["peak_running"],
             peak_waiting=answer["peak_waiting"],
             preemptions=answer["preemptions"],
+            drafts=answer["drafts"],
+            drafted=answer["drafted"],
+            accepted=answer["accepted"],
         )
 
     def stop(self) -> None:

@@ -12,7 +12,7 @@ each answer leaves as one JSON line on stdout; everything vLLM prints goes to LO
     {"cmd": "run", "prompts": [{"token_ids": [...], "max_tokens": n}, ...],
      "arrival": "together" | "one-by-one", "reset_prefix_cache": true}
         -> {"run_s", "cpu_s", "steps", "peak_running", "peak_waiting", "preemptions",
-            "prefix_queries", "prefix_hits",
+            "prefix_queries", "prefix_hits", "drafts", "drafted", "accepted",
             "outputs": [{"token_ids", "num_cached_tokens", "num_preemptions"}, ...]}
     {"cmd": "stop"}  -> {} (the engine shuts down; a new "start" may follow)
 A failed command answers {"error": "...", "traceback": "..."}; end of input ends the worker.
@@ -20,7 +20,9 @@ A failed command answers {"error": "...", "traceback": "..."}; end of input ends
 Greedy (temperature 0), EOS ignored (every request makes exactly max_tokens), so the
 answers compare token for token with kvlab's. Peak running requests and preemptions
 come from a stat logger that vLLM calls once per engine step (SchedulerStats,
-IterationStats); a request's prefix-hit tokens from RequestOutput.num_cached_tokens.
+IterationStats); a request's prefix-hit tokens from RequestOutput.num_cached_tokens;
+with a `speculative_config` engine argument, drafted and accepted tokens from
+SchedulerStats.spec_decoding_stats.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def step_logger_class():
                     queries=cache.queries,
                     hits=cache.hits,
                 )
+                spec = scheduler_stats.spec_decoding_stats  # None without speculation
+                if spec is not None:
+                    row.update(drafts=spec.num_drafts, drafted=spec.num_draft_tokens,
+                               accepted=spec.num_accepted_tokens)  # fmt: skip
             if iteration_stats is not None:
                 row["preempted"] = iteration_stats.num_preempted_reqs
                 for done in iteration_stats.finished_requests:
@@ -149,6 +155,9 @@ def run(engine, prompts: list[dict], arrival: str, reset_prefix_cache: bool) -> 
         "preemptions": sum(r.get("preempted", 0) for r in rows),
         "prefix_queries": sum(r.get("queries", 0) for r in rows),
         "prefix_hits": sum(r.get("hits", 0) for r in rows),
+        "drafts": sum(r.get("drafts", 0) for r in rows),  # speculative verifications
+        "drafted": sum(r.get("drafted", 0) for r in rows),
+        "accepted": sum(r.get("accepted", 0) for r in rows),
         "outputs": [
             {
                 "token_ids": list(outputs[i].outputs[0].token_ids),
