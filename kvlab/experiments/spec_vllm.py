@@ -1,9 +1,9 @@
 """vLLM's n-gram speculative decoding on kvlab's prompts: the peer's side of
 kvlab.experiments.speculative.
 
-vLLM runs in its own venv (kvlab.experiments.vllm_peer), one engine per k, each started
-with `speculative_config={"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": ..., "prompt_lookup_max": ...}` (k = 0: no speculation). Every prompt
+vLLM runs in its own venv (kvlab.experiments.vllm_peer), one engine (and worker process)
+per k, each started with `speculative_config={"method": "ngram", "num_speculative_tokens":
+k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}` (k = 0: no speculation). Every prompt
 runs alone (batch 1, "one-by-one"), greedy with EOS ignored, so each makes exactly its
 max_new_tokens. Drafted and accepted tokens come from vLLM's own SpecDecodingStats; its
 target forwards are its engine steps (one prefill step per prompt, then one forward per
@@ -40,17 +40,17 @@ def vllm_runs(
     new_tokens = [r.max_new_tokens for r in requests]
     longest = max(map(len, prompts)) + max(new_tokens) + max((*ks, 0)) + 1
     runs = []
-    with VllmPeer(threads=threads, inproc=True) as peer:
-        for k in (0, *ks):
-            args = vllm_engine_args(model, kv_cache_bytes=2**28, max_model_len=longest)
-            spec = ngram_config(k, lookup_min, lookup_max)
+    for k in (0, *ks):  # a worker process per engine: vLLM's CPU build starts one engine
+        # per process cleanly (a third in one process fails rebinding its kernels)
+        args = vllm_engine_args(model, kv_cache_bytes=2**28, max_model_len=longest)
+        spec = ngram_config(k, lookup_min, lookup_max)
+        with VllmPeer(threads=threads, inproc=True) as peer:
             peer.start(args | ({"speculative_config": spec} if spec else {}))
             run = peer.run(prompts, new_tokens, arrival="one-by-one")
-            peer.stop()
-            tokens = sum(map(len, run.outputs))
-            runs.append(
-                SpecRun(workload, "vllm", "ngram" if k else "none", k, 1, tokens,
-                        tokens - len(prompts), run.steps - len(prompts), run.drafted,
-                        run.accepted, run.run_s, run.run_s, outputs=run.outputs)
-            )  # fmt: skip
+        tokens = sum(map(len, run.outputs))
+        runs.append(
+            SpecRun(workload, "vllm", "ngram" if k else "none", k, 1, tokens,
+                    tokens - len(prompts), run.steps - len(prompts), run.drafted,
+                    run.accepted, run.run_s, run.run_s, outputs=run.outputs)
+        )  # fmt: skip
     return runs
