@@ -181,15 +181,16 @@ class TierConnector(KVConnector):
         self._saved = {i: [] for i in range(len(meta.saves))}
 
     def start_load_kv(self):
-        """Fetching from the tiers happened at `promote`; a codec whose state spans layers
-        (kivi2) loads its blocks whole here, a layer-wise one waits for each layer."""
+        """Load whole blocks where the codec's state spans layers (kivi2); else wait per layer.
+
+        Fetching from the tiers happened at `promote`."""
         if not self.cache.pool.layerwise:
             for load in self._bound.loads:
                 self._timed_load(load, None)
             self._bound.loads = []
 
     def wait_for_layer_load(self, layer):
-        """Layer `layer` of every bound load into its device block."""
+        """Write layer `layer` of every bound load into its device block."""
         for load in self._bound.loads:
             self._timed_load(load, layer)
         if layer == self.cache.pool.spec.num_layers - 1:
@@ -219,7 +220,7 @@ class TierConnector(KVConnector):
             self.transfers.offload_s += time.perf_counter() - start
 
     def wait_for_save(self):
-        """Every bound save, its layers put together (or read whole), into the tiers."""
+        """Put each bound save's layers together (or read it whole) and store it in the tiers."""
         for i, (block, key, salt, everywhere) in enumerate(self._bound.saves):
             start = time.perf_counter()
             if self._saved[i]:
