@@ -201,6 +201,40 @@ def test_acceptance_follows_the_drafts(tiny_model, wrong):
         assert stats["tokens_per_forward"] == 4.0  # 24 decode tokens: 6 forwards of k + 1
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_rows_the_step_cuts_or_leaves_out_drop_their_drafts(tiny_model, late):
+    """A budget of one token per decode cuts every row's drafts (the forward gives a row
+    one logit only); a prefill-only step (no chunking, prefill first) leaves the decodes
+    out. Right drafts must then neither be verified nor linger."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    config = dict(cache="paged", block_size=2, schedule_order="prefill-first")
+    config |= (
+        dict(chunked_prefill=False, max_num_batched_tokens=64)
+        if late
+        else dict(chunked_prefill=True, max_num_batched_tokens=len(PROMPTS))
+    )
+    expected, _ = run(tiny_model, PROMPTS, params, **config)
+    Oracle.truth, Oracle.wrong = {tuple(p): e[0] for p, e in zip(PROMPTS, expected)}, False
+    PROPOSERS.register("oracle")(Oracle)
+    try:
+        spec = {"method": "oracle", "num_speculative_tokens": 3}
+        engine = kvlab.Engine(tiny_model, EngineConfig(max_model_len=256, speculative=spec,
+                                                       **config))  # fmt: skip
+        for prompt in PROMPTS:
+            engine.add_request(prompt, params)
+            for _ in range(3 if late else 0):  # the others decode, then a prompt arrives
+                engine.step()
+                tables_trimmed(engine)
+        while engine.has_unfinished():
+            engine.step()
+            tables_trimmed(engine)
+    finally:
+        PROPOSERS.unregister("oracle")
+    outs = sorted(engine.finished, key=lambda o: o.request_id)
+    assert [[s.token_ids for s in o.samples] for o in outs] == expected
+    assert engine.cache.num_available == engine.cache.num_blocks
+
+
 def test_preemption_in_the_middle_of_speculation(tiny_model):
     """A pool so small that decodes preempt each other while carrying drafts."""
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -235,7 +235,7 @@ class Engine:
             return []
         started = time.perf_counter()
         if self.speculator:
-            self.speculator.draft(batch)  # a draft model runs inside the step's time
+            self.speculator.draft(batch, self.scheduler.running)  # inside the step's time
         logits = self._forward(batch)
         finished = self._advance(batch, logits)
         self._record(batch, time.perf_counter() - started)

@@ -119,12 +119,19 @@ class Speculator:
         for seq, drafts in zip(decoding, self.proposer.propose(decoding, room)):
             seq.draft_ids, seq.spec_room = drafts, len(drafts)
 
-    def draft(self, batch) -> None:
-        """Fill the drafts of the batch's decode rows and fit their token counts."""
-        rows = [i for i, (s, n) in enumerate(batch) if n > 1 and s.num_pending == 1]
-        if self.proposer.drafts_in_slots and rows:
-            seqs = [batch.seqs[i] for i in rows]
-            drafts = self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in rows])
+    def draft(self, batch, running: list[Sequence]) -> None:
+        """Fill the drafts of the batch's decode rows and fit them to the tokens each row
+        was given (a row the budget cut to one token drops its drafts); running sequences
+        the step leaves out drop theirs too."""
+        scheduled = {id(seq) for seq in batch.seqs}
+        for seq in running:
+            if id(seq) not in scheduled:
+                seq.draft_ids, seq.spec_room = [], 0
+        rows = [i for i, (s, n) in enumerate(batch) if s.num_pending == 1]
+        slotted = [i for i in rows if batch.num_new_tokens[i] > 1]
+        if self.proposer.drafts_in_slots and slotted:
+            seqs = [batch.seqs[i] for i in slotted]
+            drafts = self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in slotted])
             for seq, d in zip(seqs, drafts):
                 seq.draft_ids = d
         for i in rows:
