@@ -176,3 +176,25 @@ def test_explorer_title_counts_the_slider_value(tiny_model, prompts):
     rows = {"with sharing": {"requests": 6}, "without sharing": {"requests": 7}}
     with pytest.raises(ValueError, match="different request counts"):
         viz.explorer_title(16, rows)
+
+
+def test_explorer_never_shows_the_last_count_while_measuring(tiny_model, prompts, monkeypatch):
+    """Serving a new setting takes seconds, and the slider shows its new value at once:
+    meanwhile the headline names that value (measuring), not the previous count's tokens
+    (moving 7 -> 6 used to leave "7 requests computed ..." beside a slider at 6)."""
+    explorer = viz.SharingExplorer(tiny_model, prompts * 2, requests=7, max_new_tokens=1)
+    assert explorer.figure.layout.title.text.startswith("block size 16, 7 requests:")
+    seen = []
+    measure = viz.measure_sharing
+
+    def spy(*args, **kwargs):
+        seen.append(explorer.figure.layout.title.text)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(viz, "measure_sharing", spy)
+    explorer.requests.value = 6
+    assert seen and all(t == "block size 16, 6 requests: measuring ..." for t in seen), seen
+    assert explorer.figure.layout.title.text.startswith("block size 16, 6 requests:<br>")
+    seen.clear()
+    explorer.requests.value = 7  # measured before: redrawn at once, nothing served
+    assert seen == [] and explorer.figure.layout.title.text.startswith("block size 16, 7 req")

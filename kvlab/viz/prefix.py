@@ -234,8 +234,14 @@ class SharingExplorer(App):
         return pd.DataFrame([{"mode": k[0], **self.results[k]} for k in keys], columns=columns)
 
     def refresh(self) -> None:
-        """Measure the current setting (once) and redraw the current block size's points."""
+        """Measure the current setting (once) and redraw the current block size's points.
+
+        Serving a new setting takes seconds while the slider already shows it, so the
+        headline first says that setting is being measured: left alone, it would name the
+        previous count (and its tokens) beside the new one."""
         n, size = self.requests.value, self.block_size.value
+        if any((mode, size, n) not in self.results for mode in MODES):
+            self.figure.layout.title.text = f"block size {size}, {n} requests: measuring ..."
         self.measure(n, size)
         fresh = sharing_figure(self.table())
         with self.figure.batch_update():
