@@ -10,11 +10,13 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +153,47 @@ def test_speculative_quick(tiny_model_path):
     assert len(runs) == 2 * 5 + 4 and all(r["identical"] for r in runs)
     assert all(r["output_tokens"] > 0 and r["tokens_per_forward"] >= 1.0 for r in runs)
     assert [r["batch_size"] for r in runs if r["part"] == "batch"] == [1, 1, 2, 2]
+
+
+def test_notebook_times_quick(tmp_path, capsys):
+    """--quick times only a tiny notebook it writes itself: one row, the JSON on stdout,
+    the progress line and the table on stderr."""
+    out = tmp_path / "notebook_times.json"
+    result = load_script("notebook_times").main(["--quick", "--threads", "1", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == result == json.loads(out.read_text())
+    assert set(result) == {
+        "machine", "load_average_at_start", "budget_s", "notebooks", "all_within_budget",
+    }  # fmt: skip
+    assert re.fullmatch(r"\S+, \d+ cores, 1 torch threads", result["machine"])
+    (row,) = result["notebooks"]
+    assert set(row) == {
+        "notebook", "wall_s", "cells", "status", "within_budget", "slowest_cell", "error",
+    }  # fmt: skip
+    assert (row["notebook"], row["cells"], row["status"], row["error"]) == (
+        "00_tiny.ipynb", 2, "ok", None,
+    )  # fmt: skip
+    assert 0 < row["wall_s"] <= result["budget_s"] == 180 and row["within_budget"] is True
+    assert result["all_within_budget"] is True
+    assert "[1/1] 00_tiny.ipynb:" in captured.err and "<= 180 s" in captured.err
+
+
+def test_notebook_times_reports_errors_and_leaves_the_notebook(tmp_path):
+    """A failing cell makes the row "error" with the cell and the exception; the timed
+    notebook itself is never written; over budget is not within it."""
+    script = load_script("notebook_times")
+    path = script.tiny_notebook(tmp_path)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("1 / 0"))
+    nbformat.write(nb, path)
+    before = path.read_bytes()
+    row = script.time_notebook(path, script.kernel_env(1))
+    assert path.read_bytes() == before
+    assert row["status"] == "error" and row["within_budget"] is False
+    assert row["error"]["code_cell"] == 2 and "ZeroDivisionError" in row["error"]["message"]
+    tiny = script.tiny_notebook(tmp_path)  # written again, without the failing cell
+    late = script.time_notebook(tiny, script.kernel_env(1), budget_s=0)
+    assert late["status"] == "ok" and late["within_budget"] is False
 
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))

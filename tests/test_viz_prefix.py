@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from kvlab import texts
@@ -125,3 +126,75 @@ def test_warm_vs_cold_hits_the_shared_blocks(tiny_model, prompts):
     assert ttft["warm_hit_tokens"] == 32  # two full blocks of the 37 shared tokens
     assert ttft["cold_s"] > 0 and ttft["warm_s"] > 0
     assert ttft["warm_over_cold"] == pytest.approx(ttft["warm_s"] / ttft["cold_s"], rel=0.05)
+
+
+def _text_px(text: str, font_size: float) -> float:
+    """A generous estimate of a label's width in pixels (0.6 em per character)."""
+    return 0.6 * font_size * len(text)
+
+
+def test_sharing_figure_labels_do_not_overlap():
+    """At plotly's default 700 px width each x-axis title fits under its own panel and the
+    subplot titles keep apart (the three axes once shared one long title, drawn three
+    times on top of each other)."""
+    frame = pd.DataFrame(
+        [
+            {"mode": mode, "requests": n, "tokens computed": 1, "hit rate %": 0, "peak blocks": 1}
+            for n in (1, 2, 4)
+            for mode in sharing.MODES
+        ]
+    )
+    fig = viz.sharing_figure(frame)
+    layout = fig.layout
+    margin = layout.margin
+    plot_px = 700 - (margin.l if margin.l is not None else 80) - (margin.r or 80)
+    if layout.legend.orientation != "h":  # a vertical legend takes the right edge
+        plot_px -= 150
+    axes = [layout.xaxis, layout.xaxis2, layout.xaxis3]
+    for axis in axes:
+        width = (axis.domain[1] - axis.domain[0]) * plot_px
+        assert _text_px(axis.title.text, 14) < width, (axis.title.text, width)
+    titles = sorted(layout.annotations, key=lambda a: a.x)
+    assert [a.text for a in titles] == [t for _, t in viz.SHARING_PANELS]
+    for left, right in zip(titles, titles[1:]):
+        gap = (right.x - left.x) * plot_px
+        widths = [_text_px(a.text, a.font.size) for a in (left, right)]
+        assert sum(widths) / 2 < gap, (left.text, right.text)
+
+
+def test_explorer_title_counts_the_slider_value(tiny_model, prompts):
+    """The explorer's headline names the slider's request count (a learner saw one more)
+    and the tokens measured for it."""
+    explorer = viz.SharingExplorer(tiny_model, prompts * 2, requests=1, max_new_tokens=1)
+    for n in (6, 7, 6, 2):
+        explorer.requests.value = n
+        computed = explorer.table().set_index(["requests", "mode"]).loc[n]["tokens computed"]
+        assert explorer.figure.layout.title.text == (
+            f"block size 16, {n} requests:<br>{computed['with sharing']} prompt tokens "
+            f"computed with sharing, {computed['without sharing']} without"
+        )
+    rows = {"with sharing": {"requests": 6}, "without sharing": {"requests": 7}}
+    with pytest.raises(ValueError, match="different request counts"):
+        viz.explorer_title(16, rows)
+
+
+def test_explorer_never_shows_the_last_count_while_measuring(tiny_model, prompts, monkeypatch):
+    """Serving a new setting takes seconds, and the slider shows its new value at once:
+    meanwhile the headline names that value (measuring), not the previous count's tokens
+    (moving 7 -> 6 used to leave "7 requests computed ..." beside a slider at 6)."""
+    explorer = viz.SharingExplorer(tiny_model, prompts * 2, requests=7, max_new_tokens=1)
+    assert explorer.figure.layout.title.text.startswith("block size 16, 7 requests:")
+    seen = []
+    measure = viz.measure_sharing
+
+    def spy(*args, **kwargs):
+        seen.append(explorer.figure.layout.title.text)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(viz, "measure_sharing", spy)
+    explorer.requests.value = 6
+    assert seen and all(t == "block size 16, 6 requests: measuring ..." for t in seen), seen
+    assert explorer.figure.layout.title.text.startswith("block size 16, 6 requests:<br>")
+    seen.clear()
+    explorer.requests.value = 7  # measured before: redrawn at once, nothing served
+    assert seen == [] and explorer.figure.layout.title.text.startswith("block size 16, 7 req")

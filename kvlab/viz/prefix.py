@@ -130,8 +130,13 @@ SHARING_PANELS = (
 
 def sharing_figure(frame: pd.DataFrame) -> go.Figure:
     """Tokens computed, hit rate and peak blocks against the number of requests sharing
-    the preamble, one line per mode (frame: rows of measure_sharing plus a "mode")."""
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in SHARING_PANELS])
+    the preamble, one line per mode (frame: rows of measure_sharing plus a "mode").
+
+    Three panels side by side leave each x axis a third of the width: each gets a short
+    title of its own ("requests"), the figure's title says what they count."""
+    fig = make_subplots(
+        rows=1, cols=3, subplot_titles=[t for _, t in SHARING_PANELS], horizontal_spacing=0.09
+    )
     for i, mode in enumerate(MODES):
         rows = frame[frame["mode"] == mode].sort_values("requests")
         for col, (column, _) in enumerate(SHARING_PANELS, start=1):
@@ -146,9 +151,29 @@ def sharing_figure(frame: pd.DataFrame) -> go.Figure:
                 row=1,
                 col=col,
             )
-    fig.update_xaxes(title_text="requests sharing the preamble", type="log", dtick=0.30103)
-    fig.update_layout(height=360, title="One preamble, many requests")
+    fig.update_xaxes(title_text="requests", type="log", dtick=0.30103)
+    fig.update_annotations(font_size=13)  # the subplot titles
+    fig.update_layout(
+        height=400,
+        title=dict(text="One preamble shared by n requests", font_size=15),
+        legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="center", x=0.5),
+        margin=dict(t=100, b=110),
+    )
     return fig
+
+
+def explorer_title(block_size: int, rows: dict[str, dict[str, float]]) -> str:
+    """The explorer's headline for one setting, from its measured rows (mode -> row): the
+    request count is the rows' own, the count the tokens were measured for."""
+    counts = {row["requests"] for row in rows.values()}
+    if len(counts) != 1:
+        raise ValueError(f"rows measured for different request counts: {sorted(counts)}")
+    computed = {mode: row["tokens computed"] for mode, row in rows.items()}
+    return (
+        f"block size {block_size}, {counts.pop()} requests:<br>"
+        f"{computed['with sharing']} prompt tokens computed with sharing, "
+        f"{computed['without sharing']} without"
+    )
 
 
 class SharingExplorer(App):
@@ -209,17 +234,21 @@ class SharingExplorer(App):
         return pd.DataFrame([{"mode": k[0], **self.results[k]} for k in keys], columns=columns)
 
     def refresh(self) -> None:
-        """Measure the current setting (once) and redraw the current block size's points."""
+        """Measure the current setting (once) and redraw the current block size's points.
+
+        Serving a new setting takes seconds while the slider already shows it, so the
+        headline first says that setting is being measured: left alone, it would name the
+        previous count (and its tokens) beside the new one."""
         n, size = self.requests.value, self.block_size.value
+        if any((mode, size, n) not in self.results for mode in MODES):
+            self.figure.layout.title.text = f"block size {size}, {n} requests: measuring ..."
         self.measure(n, size)
         fresh = sharing_figure(self.table())
         with self.figure.batch_update():
             for trace, new in zip(self.figure.data, fresh.data):
                 trace.x, trace.y = new.x, new.y
-            self.figure.layout.title = (
-                f"block size {size}: {n} requests computed "
-                f"{self._row('with sharing', size, n)['tokens computed']} prompt tokens with "
-                f"sharing, {self._row('without sharing', size, n)['tokens computed']} without"
+            self.figure.layout.title.text = explorer_title(
+                size, {mode: self._row(mode, size, n) for mode in MODES}
             )
 
     def _row(self, mode: str, block_size: int, n: int) -> dict[str, float]:
