@@ -10,7 +10,9 @@ smallest failing input found (as code to paste and run) and what was expected.
 
 The references are kvlab's own parts, through their public interfaces: `BlockAllocator`,
 `HashPrefixIndex.keys` (`kvlab_block_keys`), the `Int8` codec (`kvlab_quantize`,
-`kvlab_dequantize`) and `kvlab.engine.scheduler.choose_victim` (`kvlab_victim`). The labs
+`kvlab_dequantize`), `kvlab.engine.scheduler.choose_victim` (`kvlab_victim`), the
+speculative rollback `KVCache.rewind` with `BlockAllocator.decref` (`kvlab_rollback`) and
+the retention policies "window" and "sinks" (`kvlab_release`). The labs
 are notebooks/labs/source/<lab>/<lab>.ipynb (nbgrader sources, solved); the learners'
 notebooks/labs/<lab>.ipynb are generated from them by `python -m kvlab.labs.student`.
 """
@@ -19,19 +21,26 @@ from kvlab.labs.allocator import check_block_allocator
 from kvlab.labs.grading import Failure, LabFailure, LabResult
 from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
 from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
+from kvlab.labs.rollback import Rollback, check_spec_rollback, kvlab_rollback
 from kvlab.labs.victim import check_victim_choice, kvlab_victim, running_seq
+from kvlab.labs.window import check_window_release, kvlab_release
 
 __all__ = [
     "Failure",
     "LabFailure",
     "LabResult",
+    "Rollback",
     "check_block_allocator",
     "check_block_hash",
     "check_int8_codec",
+    "check_spec_rollback",
     "check_victim_choice",
+    "check_window_release",
     "kvlab_block_keys",
     "kvlab_dequantize",
     "kvlab_quantize",
+    "kvlab_release",
+    "kvlab_rollback",
     "kvlab_victim",
     "running_seq",
 ]
