@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache import BlockAllocator, OutOfBlocks
+from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
-from kvlab.labs import allocator, hashing, int8, victim
+from kvlab.labs import allocator, hashing, int8, rollback, victim, window
+from kvlab.units import ceil_div
 
 
 # --- lab 1: block allocator -----------------------------------------------------------------
@@ -194,6 +196,67 @@ def returns_request_id(running):
     return kvlab_choose_victim(running).request_id
 
 
+# --- lab 5: speculative rollback -----------------------------------------------------------
+def keeps_a_block_too_many(table, block_size, num_computed, num_drafts, accepted, ref_counts):
+    kept = num_computed - (num_drafts - accepted)
+    num_blocks = kept // block_size + 1  # one too many when kept ends at a block boundary
+    return kept, num_blocks, [b for b in table[num_blocks:] if ref_counts[b] == 1]
+
+
+def keeps_a_block_too_few(table, block_size, num_computed, num_drafts, accepted, ref_counts):
+    kept = num_computed - (num_drafts - accepted)
+    num_blocks = kept // block_size  # drops a partly filled last block of kept tokens
+    return kept, num_blocks, [b for b in table[num_blocks:] if ref_counts[b] == 1]
+
+
+def frees_shared_blocks(table, block_size, num_computed, num_drafts, accepted, ref_counts):
+    kept = num_computed - (num_drafts - accepted)
+    num_blocks = ceil_div(kept, block_size)
+    return kept, num_blocks, list(table[num_blocks:])
+
+
+def forgets_to_rewind(table, block_size, num_computed, num_drafts, accepted, ref_counts):
+    kept = num_computed - (num_drafts - accepted)
+    num_blocks = ceil_div(kept, block_size)
+    return num_computed, num_blocks, [b for b in table[num_blocks:] if ref_counts[b] == 1]
+
+
+def frees_accepted_drafts(table, block_size, num_computed, num_drafts, accepted, ref_counts):
+    kept = num_computed - (num_drafts - accepted)
+    num_blocks = ceil_div(num_computed - num_drafts, block_size)  # as if none was accepted
+    return kept, num_blocks, [b for b in table[num_blocks:] if ref_counts[b] == 1]
+
+
+# --- lab 6: sliding-window release ----------------------------------------------------------
+def releases_partial_blocks(table, num_computed, block_size, window, sinks):
+    first = ceil_div(sinks, block_size)
+    end = ceil_div(max(num_computed - window, 0), block_size)  # a block the window starts in
+    return [i for i in range(first, end) if table[i] != DROPPED]
+
+
+def keeps_one_token_too_many(table, num_computed, block_size, window, sinks):
+    first = ceil_div(sinks, block_size)
+    end = max(num_computed - 1 - window, 0) // block_size  # the window plus the newest token
+    return [i for i in range(first, end) if table[i] != DROPPED]
+
+
+def ignores_sinks(table, num_computed, block_size, window, sinks):
+    end = max(num_computed - window, 0) // block_size
+    return [i for i in range(end) if table[i] != DROPPED]
+
+
+def rounds_sinks_down(table, num_computed, block_size, window, sinks):
+    first = sinks // block_size  # releases the block holding the last sink tokens
+    end = max(num_computed - window, 0) // block_size
+    return [i for i in range(first, end) if table[i] != DROPPED]
+
+
+def releases_dropped_blocks(table, num_computed, block_size, window, sinks):
+    first = ceil_div(sinks, block_size)
+    end = max(num_computed - window, 0) // block_size
+    return list(range(first, end))
+
+
 # --- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mistake:
@@ -207,11 +270,13 @@ class Mistake:
         return self.code.__name__
 
 
-L1, L2, L3, L4 = (
+L1, L2, L3, L4, L5, L6 = (
     "01_block_allocator",
     "02_block_hash",
     "03_int8_codec",
     "04_preemption_victim",
+    "05_spec_rollback",
+    "06_window_release",
 )
 MISTAKES = [
     Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
@@ -245,6 +310,23 @@ MISTAKES = [
     Mistake(L4, highest_priority, victim.PRIORITY, ["larger `priority` is more important"]),
     Mistake(L4, sorts_in_place, victim.UNCHANGED, ["don't pop or remove it"]),
     Mistake(L4, returns_request_id, victim.RETURNS_ONE, ["not its index or request_id"]),
+    Mistake(
+        L5,
+        keeps_a_block_too_many,
+        rollback.ENDS,
+        ["kept 3 blocks, but the table has only 2", "exactly at a block boundary"],
+    ),
+    Mistake(L5, keeps_a_block_too_few, rollback.KEEPS_KEPT, ["positions 8..9", "round up"]),
+    Mistake(L5, frees_shared_blocks, rollback.SHARED, ["block 12 is freed, but its ref count"]),
+    Mistake(L5, forgets_to_rewind, rollback.REWOUND, ["num_computed == 7", "Expected: 5"]),
+    Mistake(
+        L5, frees_accepted_drafts, rollback.KEEPS_KEPT, ["accepted drafts are real tokens now"]
+    ),
+    Mistake(L6, releases_partial_blocks, window.IN_WINDOW, ["block 1 (positions 4..7)", "partly"]),
+    Mistake(L6, keeps_one_token_too_many, window.OUTSIDE, ["Expected: release [0, 1]"]),
+    Mistake(L6, ignores_sinks, window.SINKS, ["the first 4 tokens stay"]),
+    Mistake(L6, rounds_sinks_down, window.SINKS, ["ceil_div(sinks, block_size)"]),
+    Mistake(L6, releases_dropped_blocks, window.TWICE, ["table[1] is DROPPED"]),
 ]
 
 
@@ -258,6 +340,8 @@ BINDINGS = {
     L2: "block_keys = {name}",
     L3: "quantize_int8, dequantize_int8 = {name}, dequantize",
     L4: "choose_victim = {name}",
+    L5: "rollback = {name}",
+    L6: "release_blocks = {name}",
 }
 IMPORTS = """\
 import hashlib
@@ -265,7 +349,9 @@ import hashlib
 import torch
 
 from kvlab.cache import BlockAllocator, OutOfBlocks
+from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
+from kvlab.units import ceil_div
 """
 
 

@@ -10,38 +10,67 @@ import re
 
 import nbformat
 import pytest
-from lab_mistakes import L3, MISTAKES, FreesOnFirstDecref, Mistake, ignores_parent, ignores_salt
+import torch
+from lab_mistakes import (
+    L3,
+    MISTAKES,
+    FreesOnFirstDecref,
+    Mistake,
+    frees_shared_blocks,
+    ignores_parent,
+    ignores_salt,
+    rounds_sinks_down,
+)
 from lab_mistakes import dequantize as right_dequantize
 from lab_mistakes import truncates as truncating_quantize
 
-from kvlab.cache import BlockAllocator
+from kvlab.cache import BlockAllocator, KVPool, KVSpec, PagedCache
+from kvlab.cache.retention import DROPPED, RETENTION
+from kvlab.config import SamplingParams
 from kvlab.engine.scheduler import choose_victim
+from kvlab.engine.sequence import Sequence
+from kvlab.integrity import IntegrityError
 from kvlab.labs import (
     LabFailure,
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_spec_rollback,
     check_victim_choice,
+    check_window_release,
     kvlab_block_keys,
     kvlab_dequantize,
     kvlab_quantize,
+    kvlab_release,
+    kvlab_rollback,
     student,
     victim,
 )
 
 LABS = student.LABS
-NAMES = ["01_block_allocator", "02_block_hash", "03_int8_codec", "04_preemption_victim"]
+NAMES = [
+    "01_block_allocator",
+    "02_block_hash",
+    "03_int8_codec",
+    "04_preemption_victim",
+    "05_spec_rollback",
+    "06_window_release",
+]
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
     "01_block_allocator": check_block_allocator,
     "02_block_hash": check_block_hash,
     "03_int8_codec": check_int8_codec,
     "04_preemption_victim": check_victim_choice,
+    "05_spec_rollback": check_spec_rollback,
+    "06_window_release": check_window_release,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "01_block_allocator": (BlockAllocator,),
     "02_block_hash": (kvlab_block_keys,),
     "03_int8_codec": (kvlab_quantize, kvlab_dequantize),
     "04_preemption_victim": (choose_victim,),
+    "05_spec_rollback": (kvlab_rollback,),
+    "06_window_release": (kvlab_release,),
 }
 
 
@@ -82,6 +111,9 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
         assert len(example.splitlines()) <= 8
     if mistake.lab == "04_preemption_victim":
         assert "running_seq(" in example
+    if mistake.lab in ("05_spec_rollback", "06_window_release"):
+        assert f"{mistake.name}([" in example  # the call itself, to paste and run
+        assert len(example.splitlines()) <= 12
 
 
 def test_every_lab_has_known_wrong_answers():
@@ -135,6 +167,58 @@ def test_the_victim_reference_is_the_real_scheduler():
     ]
     assert victim.kvlab_victim(running) is running[1] is choose_victim(running)
     assert [s.num_computed for s in running] == [32, 32]  # asking did not preempt anything
+
+
+def _paged(block_size: int, num_blocks: int, retention=None) -> PagedCache:
+    pool = KVPool(KVSpec(1, 1, 2), num_blocks * block_size, torch.float32, torch.device("cpu"))
+    return PagedCache(pool, block_size, num_blocks * block_size, retention=retention)
+
+
+def test_the_rollback_reference_is_kvlabs_rewind():
+    # positions 0..8 in blocks [7, 3, 12]; 4 drafts (5..8), none accepted: block 12 goes
+    assert kvlab_rollback([7, 3, 12], 4, 9, 4, 0) == (5, 2, [12])
+    assert kvlab_rollback([7, 3, 12], 4, 9, 4, 0, {12: 2}) == (5, 2, [])  # a fork keeps it
+    assert kvlab_rollback([7, 3, 12], 4, 9, 4, 3) == (8, 2, [12])  # ends at the boundary
+    assert kvlab_rollback([7, 3, 12], 4, 9, 4, 4) == (9, 3, [])
+    # the same as the real cache's rewind, which Speculator.rollback calls
+    cache = _paged(4, 8)
+    seq = Sequence(0, [1] * 13, SamplingParams(max_new_tokens=1))
+    cache.admit(seq)
+    cache.ensure_capacity(seq, 13)
+    seq.num_computed = 13
+    table = list(cache.block_table(seq))
+    assert cache.rewind(seq, 13 - (8 - 2)) == 2
+    assert kvlab_rollback(table, 4, 13, 8, 2) == (7, 2, table[2:])
+    assert (seq.num_computed, cache.block_table(seq)) == (7, table[:2])
+    # kvlab itself refuses a shared block past the kept tokens: the lab handles it by decref
+    child = Sequence(1, [1] * 7, SamplingParams(max_new_tokens=1))
+    cache.ensure_capacity(seq, 9)
+    seq.num_computed = 9
+    cache.fork(seq, child)
+    with pytest.raises(IntegrityError, match="shared or indexed"):
+        cache.rewind(seq, 5)
+
+
+@pytest.mark.parametrize("window, sinks", [(6, 0), (6, 2), (5, 8), (1, 0)])
+def test_the_window_reference_is_what_the_paged_cache_drops(window, sinks):
+    block_size = 4
+    name = "sinks" if sinks else "window"
+    args = (window, sinks) if sinks else (window,)
+    cache = _paged(block_size, 32, RETENTION[name](block_size, 32, *args))
+    seq = Sequence(0, [1] * 10, SamplingParams(max_new_tokens=40))
+    cache.admit(seq)
+    mirror: list[int] = []  # the table as the lab's reference releases it
+    for grow in [10, 1, 1, 3, 1, 1, 1, 4, 1, 1, 1, 1, 1, 8, 1, 1]:
+        seq.num_computed += grow
+        cache.ensure_capacity(seq, seq.num_computed)
+        mirror += cache.block_table(seq)[len(mirror) :]
+        released = kvlab_release(mirror, seq.num_computed, block_size, window, sinks)
+        for i in released:
+            mirror[i] = DROPPED
+        cache.retain(seq)
+        assert cache.block_table(seq) == mirror
+        cache.check_integrity()
+    assert DROPPED in mirror
 
 
 # --- grading behaviour ----------------------------------------------------------------------
@@ -198,7 +282,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_four_labs_each_one_source_and_its_student_version():
+def test_there_are_six_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):
@@ -338,6 +422,18 @@ def _recording(record: dict, fn, key):
             choose_victim,
             lambda running: min(running, key=lambda s: s.admit_order),  # the oldest
             lambda running: tuple((s.request_id, s.priority, s.admit_order) for s in running),
+        ),
+        (
+            "05_spec_rollback",
+            kvlab_rollback,
+            frees_shared_blocks,
+            lambda table, *rest: (tuple(table), *rest[:4], tuple(sorted(rest[4].items()))),
+        ),
+        (
+            "06_window_release",
+            kvlab_release,
+            rounds_sinks_down,
+            lambda table, *rest: (tuple(table), *rest),
         ),
     ],
 )

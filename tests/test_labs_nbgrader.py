@@ -33,7 +33,9 @@ from kvlab.labs import (
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_spec_rollback,
     check_victim_choice,
+    check_window_release,
     student,
 )
 
@@ -49,7 +51,17 @@ ALEMBIC_HEAD = "e43177bfe90b"  # the gradebook schema of nbgrader 0.9.6 (`alembi
 HIDDEN_SEED = 2026  # the seed of the sources' hidden tests
 EVERY_MISTAKE = os.environ.get("KVLAB_NBGRADER_ALL") == "1"
 GRADERS = dict(
-    zip(NAMES, [check_block_allocator, check_block_hash, check_int8_codec, check_victim_choice])
+    zip(
+        NAMES,
+        [
+            check_block_allocator,
+            check_block_hash,
+            check_int8_codec,
+            check_victim_choice,
+            check_spec_rollback,
+            check_window_release,
+        ],
+    )
 )
 
 
@@ -219,5 +231,12 @@ def test_feedback_shows_kvlabs_report_and_never_the_hidden_tests(course, name):
 
 
 def test_every_lab_is_in_the_workflow():
-    assert NAMES == ["01_block_allocator", "02_block_hash", "03_int8_codec", "04_preemption_victim"]
+    assert NAMES == [
+        "01_block_allocator",
+        "02_block_hash",
+        "03_int8_codec",
+        "04_preemption_victim",
+        "05_spec_rollback",
+        "06_window_release",
+    ]
     assert {m.lab for m in MISTAKES} == set(NAMES)
