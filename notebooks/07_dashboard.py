@@ -135,10 +135,13 @@ print(table[exact].to_string())
 # paged+prefix produce the same greedy tokens; int8 rounds K/V, and may change a few:
 
 # %%
+# NBVAL_IGNORE_OUTPUT
+# (int8's count moves with float rounding: threads, machine load)
 outputs = {name: run.outputs for name, run in result.runs.items()}
 for name in outputs:
     same = sum(a == b for a, b in zip(outputs["naive"], outputs[name]))
     print(f"{name:18} {same} of {len(requests)} answers identical to naive")
+    assert "int8" in name or same == len(requests), f"{name} differs from naive"
 
 # %% [markdown]
 # Throughput and latency on this machine (timings, so not compared when the notebook is
