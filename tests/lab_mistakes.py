@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from kvlab.cache import BlockAllocator, OutOfBlocks
 from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
-from kvlab.labs import allocator, hashing, int8, rollback, victim, window
+from kvlab.labs import allocator, hashing, int8, rollback, tier, victim, window
 from kvlab.units import ceil_div
 
 
@@ -257,6 +258,145 @@ def releases_dropped_blocks(table, num_computed, block_size, window, sinks):
     return list(range(first, end))
 
 
+# --- lab 7: a tier's LRU -------------------------------------------------------------------
+class TierAnswer:
+    """A right answer (the lab's solution): the mistakes below each change one method."""
+
+    def __init__(self, capacity_blocks):
+        self.capacity_blocks = capacity_blocks
+        self.entries = OrderedDict()
+        self.hits = self.misses = self.refused = self.evictions = 0
+
+    def keys(self):
+        return list(self.entries)
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        if entry[0] != salt:
+            self.refused += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        self.entries[key] = (salt, value)
+        return self._make_room()
+
+    def _make_room(self):
+        evicted = []
+        while len(self.entries) > self.capacity_blocks:
+            old, (old_salt, old_value) = self.entries.popitem(last=False)
+            self.evictions += 1
+            evicted.append((old, old_salt, old_value))
+        return evicted
+
+
+class EvictsTheMostRecent(TierAnswer):
+    """Makes room before storing, with popitem(): the most recently used entry goes."""
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        evicted = []
+        if len(self.entries) >= self.capacity_blocks:
+            old, (old_salt, old_value) = self.entries.popitem()
+            self.evictions += 1
+            evicted.append((old, old_salt, old_value))
+        self.entries[key] = (salt, value)
+        return evicted
+
+
+class HitDoesNotPromote(TierAnswer):
+    """A hit is served but stays where it was in the LRU order."""
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        if entry[0] != salt:
+            self.refused += 1
+            return None
+        self.hits += 1
+        return entry[1]
+
+
+class ServesAnySalt(TierAnswer):
+    """Looks the key up and never compares salts: another tenant's block is served."""
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+
+class RefusalCountedAsMiss(TierAnswer):
+    """Refuses another salt, but counts it as a miss."""
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None or entry[0] != salt:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+
+class EvictsBeforeFull(TierAnswer):
+    """Evicts while the tier holds capacity_blocks entries: one slot always stays empty."""
+
+    def _make_room(self):
+        evicted = []
+        while len(self.entries) >= self.capacity_blocks:
+            old, (old_salt, old_value) = self.entries.popitem(last=False)
+            self.evictions += 1
+            evicted.append((old, old_salt, old_value))
+        return evicted
+
+
+class ExceedsItsBound(TierAnswer):
+    """Checks for room before storing, with `>`: the tier ends up one entry over."""
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        evicted = self._make_room()
+        self.entries[key] = (salt, value)
+        return evicted
+
+
+class LosesEvictedEntries(TierAnswer):
+    """Evicts the right entry but returns nothing: the block never reaches the next tier."""
+
+    def put(self, key, salt, value):
+        super().put(key, salt, value)
+        return []
+
+
+class RePutKeepsItsPlace(TierAnswer):
+    """A put of a key already held assigns it again, which keeps its place in the order."""
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries[key] = (salt, value)
+            return []
+        return super().put(key, salt, value)
+
+
 # --- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mistake:
@@ -270,13 +410,14 @@ class Mistake:
         return self.code.__name__
 
 
-L1, L2, L3, L4, L5, L6 = (
+L1, L2, L3, L4, L5, L6, L7 = (
     "01_block_allocator",
     "02_block_hash",
     "03_int8_codec",
     "04_preemption_victim",
     "05_spec_rollback",
     "06_window_release",
+    "07_tier_lru",
 )
 MISTAKES = [
     Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
@@ -327,6 +468,19 @@ MISTAKES = [
     Mistake(L6, ignores_sinks, window.SINKS, ["the first 4 tokens stay"]),
     Mistake(L6, rounds_sinks_down, window.SINKS, ["ceil_div(sinks, block_size)"]),
     Mistake(L6, releases_dropped_blocks, window.TWICE, ["table[1] is DROPPED"]),
+    Mistake(L7, EvictsTheMostRecent, tier.LRU, ["evicted 'c'", "popitem(last=False)"]),
+    Mistake(L7, HitDoesNotPromote, tier.PROMOTES, ["tier.get('a', 'tenant-a')", "move_to_end"]),
+    Mistake(L7, ServesAnySalt, tier.SALTED, ["stored under salt 'tenant-a'"]),
+    Mistake(L7, RefusalCountedAsMiss, tier.COUNTED, ["misses=1, refused=0", "refused, not"]),
+    Mistake(L7, EvictsBeforeFull, tier.BOUND, ["the tier held 2 of 3", "not full yet"]),
+    Mistake(L7, ExceedsItsBound, tier.BOUND, ["holds 4 entries", "capacity 3"]),
+    Mistake(L7, LosesEvictedEntries, tier.DEMOTES, ["lost, not demoted"]),
+    Mistake(
+        L7,
+        RePutKeepsItsPlace,
+        tier.PROMOTES,
+        ["tier.put('a', 'tenant-a', 'kv-a')", "keeps its place"],
+    ),
 ]
 
 
@@ -342,9 +496,11 @@ BINDINGS = {
     L4: "choose_victim = {name}",
     L5: "rollback = {name}",
     L6: "release_blocks = {name}",
+    L7: "LabHostTier = {name}",
 }
 IMPORTS = """\
 import hashlib
+from collections import OrderedDict
 
 import torch
 
@@ -360,5 +516,7 @@ def submission(mistake: Mistake) -> str:
     parts = [IMPORTS, inspect.getsource(mistake.code)]
     if mistake.lab == L3:
         parts.append(inspect.getsource(dequantize))
+    if mistake.lab == L7:  # the right answer the mistake changes one method of
+        parts.insert(1, inspect.getsource(TierAnswer))
     parts.append(BINDINGS[mistake.lab].format(name=mistake.name) + "\n")
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"

@@ -31,11 +31,13 @@ from kvlab.engine.scheduler import choose_victim
 from kvlab.engine.sequence import Sequence
 from kvlab.integrity import IntegrityError
 from kvlab.labs import (
+    KvlabHostTier,
     LabFailure,
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
     check_spec_rollback,
+    check_tier_lru,
     check_victim_choice,
     check_window_release,
     kvlab_block_keys,
@@ -55,6 +57,7 @@ NAMES = [
     "04_preemption_victim",
     "05_spec_rollback",
     "06_window_release",
+    "07_tier_lru",
 ]
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
     "01_block_allocator": check_block_allocator,
@@ -63,6 +66,7 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "04_preemption_victim": check_victim_choice,
     "05_spec_rollback": check_spec_rollback,
     "06_window_release": check_window_release,
+    "07_tier_lru": check_tier_lru,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "01_block_allocator": (BlockAllocator,),
@@ -71,6 +75,7 @@ KVLAB_PARTS = {  # the library's own parts: the graders' references
     "04_preemption_victim": (choose_victim,),
     "05_spec_rollback": (kvlab_rollback,),
     "06_window_release": (kvlab_release,),
+    "07_tier_lru": (KvlabHostTier,),
 }
 
 
@@ -114,6 +119,9 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
     if mistake.lab in ("05_spec_rollback", "06_window_release"):
         assert f"{mistake.name}([" in example  # the call itself, to paste and run
         assert len(example.splitlines()) <= 12
+    if mistake.lab == "07_tier_lru":
+        assert example.startswith(f"tier = {mistake.name}(")  # runnable, and short
+        assert len(example.splitlines()) <= 8
 
 
 def test_every_lab_has_known_wrong_answers():
@@ -219,6 +227,20 @@ def test_the_window_reference_is_what_the_paged_cache_drops(window, sinks):
         assert cache.block_table(seq) == mirror
         cache.check_integrity()
     assert DROPPED in mirror
+
+
+def test_the_tier_reference_is_kvlabs_host_tier():
+    ref = KvlabHostTier(2)
+    assert ref.put("a", "tenant-a", "kv-a") == [] and ref.put("b", None, "kv-b") == []
+    assert ref.get("a", "tenant-b") is None and ref.refused == 1 and ref.misses == 0
+    assert ref.keys() == ["a", "b"]  # a refused lookup does not promote
+    assert ref.get("a", "tenant-a") == "kv-a" and ref.keys() == ["b", "a"]
+    assert ref.put("c", "tenant-a", "kv-c") == [("b", None, "kv-b")]  # goes one tier down
+    assert ref.put("a", "tenant-a", "kv-a") == [] and ref.keys() == ["c", "a"]
+    assert (ref.hits, ref.misses, ref.refused, ref.evictions) == (1, 0, 1, 1)
+    # the same calls on HostTier itself: what the reference wraps
+    assert ref.tier.keys() == ["c", "a"] and ref.tier.stats.evictions == 1
+    ref.tier.check_integrity()
 
 
 # --- grading behaviour ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ from kvlab.labs import (
     check_block_hash,
     check_int8_codec,
     check_spec_rollback,
+    check_tier_lru,
     check_victim_choice,
     check_window_release,
     student,
@@ -60,6 +61,7 @@ GRADERS = dict(
             check_victim_choice,
             check_spec_rollback,
             check_window_release,
+            check_tier_lru,
         ],
     )
 )
@@ -238,5 +240,6 @@ def test_every_lab_is_in_the_workflow():
         "04_preemption_victim",
         "05_spec_rollback",
         "06_window_release",
+        "07_tier_lru",
     ]
     assert {m.lab for m in MISTAKES} == set(NAMES)
