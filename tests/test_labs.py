@@ -12,10 +12,10 @@ import nbformat
 import pytest
 import torch
 from lab_mistakes import (
-    L3,
     MISTAKES,
     FreesOnFirstDecref,
     Mistake,
+    answer,
     frees_shared_blocks,
     ignores_parent,
     ignores_salt,
@@ -36,12 +36,16 @@ from kvlab.labs import (
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_metrics_reading,
     check_spec_rollback,
     check_tier_lru,
     check_victim_choice,
     check_window_release,
     kvlab_block_keys,
     kvlab_dequantize,
+    kvlab_hit_rate,
+    kvlab_parse,
+    kvlab_preemptions,
     kvlab_quantize,
     kvlab_release,
     kvlab_rollback,
@@ -58,6 +62,7 @@ NAMES = [
     "05_spec_rollback",
     "06_window_release",
     "07_tier_lru",
+    "08_reading_metrics",
 ]
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
     "01_block_allocator": check_block_allocator,
@@ -67,6 +72,7 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "05_spec_rollback": check_spec_rollback,
     "06_window_release": check_window_release,
     "07_tier_lru": check_tier_lru,
+    "08_reading_metrics": check_metrics_reading,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "01_block_allocator": (BlockAllocator,),
@@ -76,6 +82,7 @@ KVLAB_PARTS = {  # the library's own parts: the graders' references
     "05_spec_rollback": (kvlab_rollback,),
     "06_window_release": (kvlab_release,),
     "07_tier_lru": (KvlabHostTier,),
+    "08_reading_metrics": (kvlab_parse, kvlab_hit_rate, kvlab_preemptions),
 }
 
 
@@ -84,8 +91,7 @@ def grade(lab: str, *answer, verbose: bool = False):
 
 
 def grade_mistake(mistake: Mistake):
-    answer = (mistake.code, right_dequantize) if mistake.lab == "03_int8_codec" else (mistake.code,)
-    return grade(mistake.lab, *answer)
+    return grade(mistake.lab, *answer(mistake))
 
 
 def assert_rejects(result, invariant: str, *phrases: str) -> None:
@@ -114,6 +120,8 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
     if mistake.lab == "01_block_allocator":
         assert f"a = {mistake.name}(" in example  # runnable, and short
         assert len(example.splitlines()) <= 8
+    if mistake.lab == "08_reading_metrics":  # the call, after the lines it reads
+        assert f"{mistake.name}(" in example and len(example.splitlines()) <= 24
     if mistake.lab == "04_preemption_victim":
         assert "running_seq(" in example
     if mistake.lab in ("05_spec_rollback", "06_window_release"):
@@ -243,6 +251,24 @@ def test_the_tier_reference_is_kvlabs_host_tier():
     ref.tier.check_integrity()
 
 
+def test_the_metrics_reference_reads_the_saved_vllm_page_as_the_solution_does():
+    from pathlib import Path
+
+    from lab_mistakes import parse_metrics
+
+    page = (Path(__file__).parent / "data" / "vllm_serve_metrics.txt").read_text()
+    samples = kvlab_parse(page)
+    assert parse_metrics(page) == samples
+    assert ("vllm:prefix_cache_queries_total", 2816.0) in [(n, v) for n, _, v in samples]
+    assert kvlab_hit_rate(page, page) == (None, "no queries")
+    # its counters, as a later scrape: 512 more queries, 128 more hits, 2 preemptions
+    later = page.replace("} 2816.0", "} 3328.0").replace("} 1536.0", "} 1664.0")
+    name = "vllm:num_preemptions_total"
+    later = re.sub(rf"^({name}{{.*}}) 0.0$", r"\1 2.0", later, flags=re.M)
+    assert kvlab_hit_rate(page, later) == (0.25, "hits")
+    assert kvlab_preemptions(page, later) == (2, 0.0)
+
+
 # --- grading behaviour ----------------------------------------------------------------------
 def oldest_admitted(running):
     return max(running, key=lambda s: (-s.priority, -s.admit_order))
@@ -304,7 +330,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_six_labs_each_one_source_and_its_student_version():
+def test_there_are_eight_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):
@@ -405,8 +431,7 @@ def test_graders_with_an_unseen_seed_accept_kvlab_and_reject_every_known_mistake
     for lab in NAMES:
         assert GRADERS[lab](*KVLAB_PARTS[lab], verbose=False, seed=seed).passed, (lab, seed)
     for mistake in MISTAKES:
-        answer = (mistake.code, right_dequantize) if mistake.lab == L3 else (mistake.code,)
-        result = GRADERS[mistake.lab](*answer, verbose=False, seed=seed)
+        result = GRADERS[mistake.lab](*answer(mistake), verbose=False, seed=seed)
         assert not result.passed, (mistake.name, seed)
 
 
