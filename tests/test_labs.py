@@ -492,6 +492,21 @@ def test_hidden_tests_catch_an_answer_that_is_right_only_on_the_cases_shown(lab,
     assert not GRADERS[lab](memorized, verbose=False, seed=2026).passed  # its hidden tests can
 
 
+def test_metrics_hidden_tests_catch_a_hit_rate_right_only_on_the_pages_shown():
+    from lab_mistakes import rate_from_totals
+
+    shown: dict = {}
+    key = lambda before, after: (before, after)  # noqa: E731
+    parts = (kvlab_parse, _recording(shown, kvlab_hit_rate, key), kvlab_preemptions)
+    assert check_metrics_reading(*parts, verbose=False).passed
+    memorized = _memorizer(shown, kvlab_hit_rate, rate_from_totals, key)
+    assert check_metrics_reading(kvlab_parse, memorized, kvlab_preemptions, verbose=False).passed
+    hidden = check_metrics_reading(
+        kvlab_parse, memorized, kvlab_preemptions, verbose=False, seed=2026
+    )
+    assert [f.check for f in hidden.failures] == ["the prefix-cache hit rate over an interval"]
+
+
 def test_clear_solutions_keeps_the_todo_and_indents_the_stub():
     source = (
         "def f():\n    # TODO: add\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n"
