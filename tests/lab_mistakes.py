@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +19,7 @@ import torch
 from kvlab.cache import BlockAllocator, OutOfBlocks
 from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
-from kvlab.labs import allocator, hashing, int8, rollback, victim, window
+from kvlab.labs import allocator, hashing, int8, metrics, rollback, tier, victim, window
 from kvlab.units import ceil_div
 
 
@@ -257,6 +259,290 @@ def releases_dropped_blocks(table, num_computed, block_size, window, sinks):
     return list(range(first, end))
 
 
+# --- lab 7: a tier's LRU -------------------------------------------------------------------
+class TierAnswer:
+    """A right answer (the lab's solution): the mistakes below each change one method."""
+
+    def __init__(self, capacity_blocks):
+        self.capacity_blocks = capacity_blocks
+        self.entries = OrderedDict()
+        self.hits = self.misses = self.refused = self.evictions = 0
+
+    def keys(self):
+        return list(self.entries)
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        if entry[0] != salt:
+            self.refused += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        self.entries[key] = (salt, value)
+        return self._make_room()
+
+    def _make_room(self):
+        evicted = []
+        while len(self.entries) > self.capacity_blocks:
+            old, (old_salt, old_value) = self.entries.popitem(last=False)
+            self.evictions += 1
+            evicted.append((old, old_salt, old_value))
+        return evicted
+
+
+class EvictsTheMostRecent(TierAnswer):
+    """Makes room before storing, with popitem(): the most recently used entry goes."""
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        evicted = []
+        if len(self.entries) >= self.capacity_blocks:
+            old, (old_salt, old_value) = self.entries.popitem()
+            self.evictions += 1
+            evicted.append((old, old_salt, old_value))
+        self.entries[key] = (salt, value)
+        return evicted
+
+
+class HitDoesNotPromote(TierAnswer):
+    """A hit is served but stays where it was in the LRU order."""
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        if entry[0] != salt:
+            self.refused += 1
+            return None
+        self.hits += 1
+        return entry[1]
+
+
+class ServesAnySalt(TierAnswer):
+    """Looks the key up and never compares salts: another tenant's block is served."""
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+
+class RefusalCountedAsMiss(TierAnswer):
+    """Refuses another salt, but counts it as a miss."""
+
+    def get(self, key, salt):
+        entry = self.entries.get(key)
+        if entry is None or entry[0] != salt:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+
+class EvictsBeforeFull(TierAnswer):
+    """Evicts while the tier holds capacity_blocks entries: one slot always stays empty."""
+
+    def _make_room(self):
+        evicted = []
+        while len(self.entries) >= self.capacity_blocks:
+            old, (old_salt, old_value) = self.entries.popitem(last=False)
+            self.evictions += 1
+            evicted.append((old, old_salt, old_value))
+        return evicted
+
+
+class ExceedsItsBound(TierAnswer):
+    """Checks for room before storing, with `>`: the tier ends up one entry over."""
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        evicted = self._make_room()
+        self.entries[key] = (salt, value)
+        return evicted
+
+
+class LosesEvictedEntries(TierAnswer):
+    """Evicts the right entry but returns nothing: the block never reaches the next tier."""
+
+    def put(self, key, salt, value):
+        super().put(key, salt, value)
+        return []
+
+
+class RePutKeepsItsPlace(TierAnswer):
+    """A put of a key already held assigns it again, which keeps its place in the order."""
+
+    def put(self, key, salt, value):
+        if key in self.entries:
+            self.entries[key] = (salt, value)
+            return []
+        return super().put(key, salt, value)
+
+
+# --- lab 8: reading /metrics ---------------------------------------------------------------
+def read_line(line):
+    """(name, labels, the rest of the line) of one sample line."""
+    label = re.compile(r'\s*([A-Za-z_]\w*)="((?:[^"\\]|\\.)*)"\s*,?')
+    labels = {}
+    if "{" not in line:
+        name, rest = line.split(None, 1)
+        return name, labels, rest
+    name, rest = line.split("{", 1)
+    while not rest.lstrip().startswith("}"):
+        match = label.match(rest)
+        labels[match[1]] = re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], match[2])
+        rest = rest[match.end() :]
+    return name.strip(), labels, rest.lstrip()[1:]
+
+
+def sample_lines(text):
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def parse_metrics(text):  # the right answers (the lab's solution); each mistake replaces one
+    samples = []
+    for line in sample_lines(text):
+        name, labels, rest = read_line(line)
+        samples.append((name, labels, float(rest.split()[0])))
+    return samples
+
+
+def delta(before, after, name):
+    old, new = parse_metrics(before), parse_metrics(after)
+    return sum(v for n, _, v in new if n == name) - sum(v for n, _, v in old if n == name)
+
+
+def caching_off(after):
+    info = [labels for n, labels, _ in parse_metrics(after) if n == "vllm:cache_config_info"]
+    return any(labels.get("enable_prefix_caching") == "False" for labels in info)
+
+
+def hit_rate(before, after):
+    queries = delta(before, after, "vllm:prefix_cache_queries_total")
+    hits = delta(before, after, "vllm:prefix_cache_hits_total")
+    if queries == 0:
+        return None, "no queries"
+    if hits == 0:
+        return 0.0, "prefix caching off" if caching_off(after) else "no shared prefixes"
+    return hits / queries, "hits"
+
+
+def usage_after(after):
+    usage = [v for n, _, v in parse_metrics(after) if n == "vllm:kv_cache_usage_perc"]
+    return max(usage, default=0.0)
+
+
+def preemptions(before, after):
+    return int(delta(before, after, "vllm:num_preemptions_total")), usage_after(after)
+
+
+def parse_takes_the_last_number(text):
+    samples = []
+    for line in sample_lines(text):
+        name, labels, rest = read_line(line)
+        samples.append((name, labels, float(rest.split()[-1])))  # a timestamp, if any
+    return samples
+
+
+def parse_splits_labels_on_commas(text):
+    samples = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        labels = {}
+        if "{" in line:
+            name, rest = line.split("{", 1)
+            inner, rest = rest.rsplit("}", 1)
+            for part in inner.split(","):  # a value holding a comma is cut in two
+                if "=" in part:
+                    key, value = part.split("=", 1)
+                    labels[key.strip()] = value.strip('"')
+        else:
+            name, rest = line.split(None, 1)
+        samples.append((name, labels, float(rest.split()[0])))
+    return samples
+
+
+def parse_drops_total(text):
+    samples = []
+    for line in sample_lines(text):
+        name, labels, rest = read_line(line)
+        samples.append((name.removesuffix("_total"), labels, float(rest.split()[0])))
+    return samples
+
+
+def rate_from_totals(before, after):
+    new = parse_metrics(after)
+    queries = sum(v for n, _, v in new if n == "vllm:prefix_cache_queries_total")
+    hits = sum(v for n, _, v in new if n == "vllm:prefix_cache_hits_total")
+    if queries == 0:
+        return None, "no queries"
+    if hits == 0:
+        return 0.0, "prefix caching off" if caching_off(after) else "no shared prefixes"
+    return hits / queries, "hits"
+
+
+def rate_per_request(before, after):
+    requests = delta(before, after, "vllm:request_success_total")
+    hits = delta(before, after, "vllm:prefix_cache_hits_total")
+    if requests == 0:
+        return None, "no queries"
+    if hits == 0:
+        return 0.0, "prefix caching off" if caching_off(after) else "no shared prefixes"
+    return hits / requests, "hits"
+
+
+def rate_divides_by_zero(before, after):
+    queries = delta(before, after, "vllm:prefix_cache_queries_total")
+    hits = delta(before, after, "vllm:prefix_cache_hits_total")
+    rate = hits / queries
+    if hits == 0:
+        return 0.0, "prefix caching off" if caching_off(after) else "no shared prefixes"
+    return rate, "hits"
+
+
+def rate_blames_sharing(before, after):
+    queries = delta(before, after, "vllm:prefix_cache_queries_total")
+    hits = delta(before, after, "vllm:prefix_cache_hits_total")
+    if queries == 0:
+        return None, "no queries"
+    return hits / queries, "hits" if hits else "no shared prefixes"
+
+
+def preemptions_from_histogram_sum(before, after):
+    count = delta(before, after, "vllm:request_num_preemptions_sum")  # finished requests only
+    return int(count), usage_after(after)
+
+
+def preemptions_usage_in_percent(before, after):
+    return int(delta(before, after, "vllm:num_preemptions_total")), 100 * usage_after(after)
+
+
+def preemptions_total_not_delta(before, after):
+    new = parse_metrics(after)
+    count = sum(v for n, _, v in new if n == "vllm:num_preemptions_total")
+    return int(count), usage_after(after)
+
+
 # --- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mistake:
@@ -270,13 +556,15 @@ class Mistake:
         return self.code.__name__
 
 
-L1, L2, L3, L4, L5, L6 = (
+L1, L2, L3, L4, L5, L6, L7, L8 = (
     "01_block_allocator",
     "02_block_hash",
     "03_int8_codec",
     "04_preemption_victim",
     "05_spec_rollback",
     "06_window_release",
+    "07_tier_lru",
+    "08_reading_metrics",
 )
 MISTAKES = [
     Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
@@ -327,6 +615,29 @@ MISTAKES = [
     Mistake(L6, ignores_sinks, window.SINKS, ["the first 4 tokens stay"]),
     Mistake(L6, rounds_sinks_down, window.SINKS, ["ceil_div(sinks, block_size)"]),
     Mistake(L6, releases_dropped_blocks, window.TWICE, ["table[1] is DROPPED"]),
+    Mistake(L7, EvictsTheMostRecent, tier.LRU, ["evicted 'c'", "popitem(last=False)"]),
+    Mistake(L7, HitDoesNotPromote, tier.PROMOTES, ["tier.get('a', 'tenant-a')", "move_to_end"]),
+    Mistake(L7, ServesAnySalt, tier.SALTED, ["stored under salt 'tenant-a'"]),
+    Mistake(L7, RefusalCountedAsMiss, tier.COUNTED, ["misses=1, refused=0", "refused, not"]),
+    Mistake(L7, EvictsBeforeFull, tier.BOUND, ["the tier held 2 of 3", "not full yet"]),
+    Mistake(L7, ExceedsItsBound, tier.BOUND, ["holds 4 entries", "capacity 3"]),
+    Mistake(L7, LosesEvictedEntries, tier.DEMOTES, ["lost, not demoted"]),
+    Mistake(
+        L7,
+        RePutKeepsItsPlace,
+        tier.PROMOTES,
+        ["tier.put('a', 'tenant-a', 'kv-a')", "keeps its place"],
+    ),
+    Mistake(L8, parse_takes_the_last_number, metrics.VALUES, ["1796122440221", "timestamp"]),
+    Mistake(L8, parse_splits_labels_on_commas, metrics.LABELS, ["closing unescaped"]),
+    Mistake(L8, parse_drops_total, metrics.NAMES, ["'vllm:prefix_cache_queries_total'"]),
+    Mistake(L8, rate_from_totals, metrics.DELTAS, ["the totals since the server started"]),
+    Mistake(L8, rate_per_request, metrics.PER_QUERY, ["hit tokens / 3 requests"]),
+    Mistake(L8, rate_divides_by_zero, metrics.EMPTY, ["ZeroDivisionError", "# the interval: no"]),
+    Mistake(L8, rate_blames_sharing, metrics.ZERO, ['enable_prefix_caching="False"']),
+    Mistake(L8, preemptions_from_histogram_sum, metrics.PREEMPTED, ["still running"]),
+    Mistake(L8, preemptions_usage_in_percent, metrics.KV_USAGE, ["already a fraction"]),
+    Mistake(L8, preemptions_total_not_delta, metrics.PREEMPTED, ["since the server started"]),
 ]
 
 
@@ -342,9 +653,32 @@ BINDINGS = {
     L4: "choose_victim = {name}",
     L5: "rollback = {name}",
     L6: "release_blocks = {name}",
+    L7: "LabHostTier = {name}",
+    L8: "parse_metrics, hit_rate, preemptions = {answer}",
 }
+L8_ROLES = (
+    "parse_",
+    "rate_",
+    "preemptions_",
+)  # a lab 8 mistake replaces the function of its prefix
+
+
+def answer(mistake: Mistake) -> tuple:
+    """What the lab's grader is called with: the mistake, with right parts beside it."""
+    if mistake.lab == L3:
+        return mistake.code, dequantize
+    if mistake.lab == L8:
+        right = [parse_metrics, hit_rate, preemptions]
+        role = next(i for i, p in enumerate(L8_ROLES) if mistake.name.startswith(p))
+        right[role] = mistake.code
+        return tuple(right)
+    return (mistake.code,)
+
+
 IMPORTS = """\
 import hashlib
+import re
+from collections import OrderedDict
 
 import torch
 
@@ -360,5 +694,12 @@ def submission(mistake: Mistake) -> str:
     parts = [IMPORTS, inspect.getsource(mistake.code)]
     if mistake.lab == L3:
         parts.append(inspect.getsource(dequantize))
-    parts.append(BINDINGS[mistake.lab].format(name=mistake.name) + "\n")
+    if mistake.lab == L7:  # the right answer the mistake changes one method of
+        parts.insert(1, inspect.getsource(TierAnswer))
+    if mistake.lab == L8:  # the right functions, the mistake bound in place of its own
+        helpers = (read_line, sample_lines, delta, caching_off, usage_after)
+        helpers += (parse_metrics, hit_rate, preemptions)
+        parts[1:1] = [inspect.getsource(fn) for fn in helpers]
+    names = ", ".join(fn.__name__ for fn in answer(mistake))
+    parts.append(BINDINGS[mistake.lab].format(name=mistake.name, answer=names) + "\n")
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"

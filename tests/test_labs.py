@@ -12,10 +12,10 @@ import nbformat
 import pytest
 import torch
 from lab_mistakes import (
-    L3,
     MISTAKES,
     FreesOnFirstDecref,
     Mistake,
+    answer,
     frees_shared_blocks,
     ignores_parent,
     ignores_salt,
@@ -31,15 +31,21 @@ from kvlab.engine.scheduler import choose_victim
 from kvlab.engine.sequence import Sequence
 from kvlab.integrity import IntegrityError
 from kvlab.labs import (
+    KvlabHostTier,
     LabFailure,
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_metrics_reading,
     check_spec_rollback,
+    check_tier_lru,
     check_victim_choice,
     check_window_release,
     kvlab_block_keys,
     kvlab_dequantize,
+    kvlab_hit_rate,
+    kvlab_parse,
+    kvlab_preemptions,
     kvlab_quantize,
     kvlab_release,
     kvlab_rollback,
@@ -55,6 +61,8 @@ NAMES = [
     "04_preemption_victim",
     "05_spec_rollback",
     "06_window_release",
+    "07_tier_lru",
+    "08_reading_metrics",
 ]
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
     "01_block_allocator": check_block_allocator,
@@ -63,6 +71,8 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "04_preemption_victim": check_victim_choice,
     "05_spec_rollback": check_spec_rollback,
     "06_window_release": check_window_release,
+    "07_tier_lru": check_tier_lru,
+    "08_reading_metrics": check_metrics_reading,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "01_block_allocator": (BlockAllocator,),
@@ -71,6 +81,8 @@ KVLAB_PARTS = {  # the library's own parts: the graders' references
     "04_preemption_victim": (choose_victim,),
     "05_spec_rollback": (kvlab_rollback,),
     "06_window_release": (kvlab_release,),
+    "07_tier_lru": (KvlabHostTier,),
+    "08_reading_metrics": (kvlab_parse, kvlab_hit_rate, kvlab_preemptions),
 }
 
 
@@ -79,8 +91,7 @@ def grade(lab: str, *answer, verbose: bool = False):
 
 
 def grade_mistake(mistake: Mistake):
-    answer = (mistake.code, right_dequantize) if mistake.lab == "03_int8_codec" else (mistake.code,)
-    return grade(mistake.lab, *answer)
+    return grade(mistake.lab, *answer(mistake))
 
 
 def assert_rejects(result, invariant: str, *phrases: str) -> None:
@@ -109,11 +120,16 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
     if mistake.lab == "01_block_allocator":
         assert f"a = {mistake.name}(" in example  # runnable, and short
         assert len(example.splitlines()) <= 8
+    if mistake.lab == "08_reading_metrics":  # the call, after the lines it reads
+        assert f"{mistake.name}(" in example and len(example.splitlines()) <= 24
     if mistake.lab == "04_preemption_victim":
         assert "running_seq(" in example
     if mistake.lab in ("05_spec_rollback", "06_window_release"):
         assert f"{mistake.name}([" in example  # the call itself, to paste and run
         assert len(example.splitlines()) <= 12
+    if mistake.lab == "07_tier_lru":
+        assert example.startswith(f"tier = {mistake.name}(")  # runnable, and short
+        assert len(example.splitlines()) <= 8
 
 
 def test_every_lab_has_known_wrong_answers():
@@ -221,6 +237,38 @@ def test_the_window_reference_is_what_the_paged_cache_drops(window, sinks):
     assert DROPPED in mirror
 
 
+def test_the_tier_reference_is_kvlabs_host_tier():
+    ref = KvlabHostTier(2)
+    assert ref.put("a", "tenant-a", "kv-a") == [] and ref.put("b", None, "kv-b") == []
+    assert ref.get("a", "tenant-b") is None and ref.refused == 1 and ref.misses == 0
+    assert ref.keys() == ["a", "b"]  # a refused lookup does not promote
+    assert ref.get("a", "tenant-a") == "kv-a" and ref.keys() == ["b", "a"]
+    assert ref.put("c", "tenant-a", "kv-c") == [("b", None, "kv-b")]  # goes one tier down
+    assert ref.put("a", "tenant-a", "kv-a") == [] and ref.keys() == ["c", "a"]
+    assert (ref.hits, ref.misses, ref.refused, ref.evictions) == (1, 0, 1, 1)
+    # the same calls on HostTier itself: what the reference wraps
+    assert ref.tier.keys() == ["c", "a"] and ref.tier.stats.evictions == 1
+    ref.tier.check_integrity()
+
+
+def test_the_metrics_reference_reads_the_saved_vllm_page_as_the_solution_does():
+    from pathlib import Path
+
+    from lab_mistakes import parse_metrics
+
+    page = (Path(__file__).parent / "data" / "vllm_serve_metrics.txt").read_text()
+    samples = kvlab_parse(page)
+    assert parse_metrics(page) == samples
+    assert ("vllm:prefix_cache_queries_total", 2816.0) in [(n, v) for n, _, v in samples]
+    assert kvlab_hit_rate(page, page) == (None, "no queries")
+    # its counters, as a later scrape: 512 more queries, 128 more hits, 2 preemptions
+    later = page.replace("} 2816.0", "} 3328.0").replace("} 1536.0", "} 1664.0")
+    name = "vllm:num_preemptions_total"
+    later = re.sub(rf"^({name}{{.*}}) 0.0$", r"\1 2.0", later, flags=re.M)
+    assert kvlab_hit_rate(page, later) == (0.25, "hits")
+    assert kvlab_preemptions(page, later) == (2, 0.0)
+
+
 # --- grading behaviour ----------------------------------------------------------------------
 def oldest_admitted(running):
     return max(running, key=lambda s: (-s.priority, -s.admit_order))
@@ -282,7 +330,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_six_labs_each_one_source_and_its_student_version():
+def test_there_are_eight_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):
@@ -383,8 +431,7 @@ def test_graders_with_an_unseen_seed_accept_kvlab_and_reject_every_known_mistake
     for lab in NAMES:
         assert GRADERS[lab](*KVLAB_PARTS[lab], verbose=False, seed=seed).passed, (lab, seed)
     for mistake in MISTAKES:
-        answer = (mistake.code, right_dequantize) if mistake.lab == L3 else (mistake.code,)
-        result = GRADERS[mistake.lab](*answer, verbose=False, seed=seed)
+        result = GRADERS[mistake.lab](*answer(mistake), verbose=False, seed=seed)
         assert not result.passed, (mistake.name, seed)
 
 
@@ -443,6 +490,21 @@ def test_hidden_tests_catch_an_answer_that_is_right_only_on_the_cases_shown(lab,
     memorized = _memorizer(shown, right, wrong, key)
     assert grade(lab, memorized).passed  # the notebook's own checks cannot tell
     assert not GRADERS[lab](memorized, verbose=False, seed=2026).passed  # its hidden tests can
+
+
+def test_metrics_hidden_tests_catch_a_hit_rate_right_only_on_the_pages_shown():
+    from lab_mistakes import rate_from_totals
+
+    shown: dict = {}
+    key = lambda before, after: (before, after)  # noqa: E731
+    parts = (kvlab_parse, _recording(shown, kvlab_hit_rate, key), kvlab_preemptions)
+    assert check_metrics_reading(*parts, verbose=False).passed
+    memorized = _memorizer(shown, kvlab_hit_rate, rate_from_totals, key)
+    assert check_metrics_reading(kvlab_parse, memorized, kvlab_preemptions, verbose=False).passed
+    hidden = check_metrics_reading(
+        kvlab_parse, memorized, kvlab_preemptions, verbose=False, seed=2026
+    )
+    assert [f.check for f in hidden.failures] == ["the prefix-cache hit rate over an interval"]
 
 
 def test_clear_solutions_keeps_the_todo_and_indents_the_stub():

@@ -27,13 +27,15 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from lab_mistakes import L3, MISTAKES, Mistake, dequantize, of, submission
+from lab_mistakes import MISTAKES, Mistake, answer, of, submission
 
 from kvlab.labs import (
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_metrics_reading,
     check_spec_rollback,
+    check_tier_lru,
     check_victim_choice,
     check_window_release,
     student,
@@ -60,6 +62,8 @@ GRADERS = dict(
             check_victim_choice,
             check_spec_rollback,
             check_window_release,
+            check_tier_lru,
+            check_metrics_reading,
         ],
     )
 )
@@ -210,8 +214,7 @@ def test_autograde_gives_each_submission_the_points_of_the_checks_it_passes(cour
         assert score == sum(cells.values())
     assert scores["solved"][0] == total and scores["unsolved"][0] == 0
     for mistake in _mistakes(name):  # the check that names the mistake's invariant scores 0
-        answer = (mistake.code, dequantize) if name == L3 else (mistake.code,)
-        first = GRADERS[name](*answer, verbose=False).failures[0]
+        first = GRADERS[name](*answer(mistake), verbose=False).failures[0]
         assert first.invariant == mistake.invariant
         (grade_id,) = [g for g, (check, _) in _checks(name).items() if check == first.check]
         assert scores[mistake.name][2][grade_id] == 0
@@ -238,5 +241,7 @@ def test_every_lab_is_in_the_workflow():
         "04_preemption_victim",
         "05_spec_rollback",
         "06_window_release",
+        "07_tier_lru",
+        "08_reading_metrics",
     ]
     assert {m.lab for m in MISTAKES} == set(NAMES)

@@ -12,7 +12,9 @@ The references are kvlab's own parts, through their public interfaces: `BlockAll
 `HashPrefixIndex.keys` (`kvlab_block_keys`), the `Int8` codec (`kvlab_quantize`,
 `kvlab_dequantize`), `kvlab.engine.scheduler.choose_victim` (`kvlab_victim`), the
 speculative rollback `KVCache.rewind` with `BlockAllocator.decref` (`kvlab_rollback`) and
-the retention policies "window" and "sinks" (`kvlab_release`). The labs
+the retention policies "window" and "sinks" (`kvlab_release`) and the host tier
+`HostTier` (`KvlabHostTier`); the /metrics lab reads pages kvlab's server metrics render
+(`kvlab_parse`: prometheus_client's parser, `kvlab_hit_rate`, `kvlab_preemptions`). The labs
 are notebooks/labs/source/<lab>/<lab>.ipynb (nbgrader sources, solved); the learners'
 notebooks/labs/<lab>.ipynb are generated from them by `python -m kvlab.labs.student`.
 """
@@ -21,23 +23,38 @@ from kvlab.labs.allocator import check_block_allocator
 from kvlab.labs.grading import Failure, LabFailure, LabResult
 from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
 from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
+from kvlab.labs.metrics import (
+    check_metrics_reading,
+    example_pages,
+    kvlab_hit_rate,
+    kvlab_parse,
+    kvlab_preemptions,
+)
 from kvlab.labs.rollback import Rollback, check_spec_rollback, kvlab_rollback
+from kvlab.labs.tier import KvlabHostTier, check_tier_lru
 from kvlab.labs.victim import check_victim_choice, kvlab_victim, running_seq
 from kvlab.labs.window import check_window_release, kvlab_release
 
 __all__ = [
     "Failure",
     "LabFailure",
+    "KvlabHostTier",
     "LabResult",
     "Rollback",
     "check_block_allocator",
     "check_block_hash",
     "check_int8_codec",
+    "check_metrics_reading",
     "check_spec_rollback",
+    "check_tier_lru",
     "check_victim_choice",
     "check_window_release",
     "kvlab_block_keys",
+    "example_pages",
     "kvlab_dequantize",
+    "kvlab_hit_rate",
+    "kvlab_parse",
+    "kvlab_preemptions",
     "kvlab_quantize",
     "kvlab_release",
     "kvlab_rollback",
