@@ -556,7 +556,7 @@ class Mistake:
         return self.code.__name__
 
 
-L1, L2, L3, L4, L5, L6, L7, L8 = (
+LAB_NAMES = (  # every lab, in order: the tests check the folders and workflow against it
     "01_block_allocator",
     "02_block_hash",
     "03_int8_codec",
@@ -566,6 +566,7 @@ L1, L2, L3, L4, L5, L6, L7, L8 = (
     "07_tier_lru",
     "08_reading_metrics",
 )
+L1, L2, L3, L4, L5, L6, L7, L8 = LAB_NAMES
 MISTAKES = [
     Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
     Mistake(L1, AllowsDoubleFree, allocator.DOUBLE_FREE, ["a.decref(0)", "ValueError"]),

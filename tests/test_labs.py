@@ -12,6 +12,7 @@ import nbformat
 import pytest
 import torch
 from lab_mistakes import (
+    LAB_NAMES,
     MISTAKES,
     FreesOnFirstDecref,
     Mistake,
@@ -54,16 +55,7 @@ from kvlab.labs import (
 )
 
 LABS = student.LABS
-NAMES = [
-    "01_block_allocator",
-    "02_block_hash",
-    "03_int8_codec",
-    "04_preemption_victim",
-    "05_spec_rollback",
-    "06_window_release",
-    "07_tier_lru",
-    "08_reading_metrics",
-]
+NAMES = list(LAB_NAMES)
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
     "01_block_allocator": check_block_allocator,
     "02_block_hash": check_block_hash,
