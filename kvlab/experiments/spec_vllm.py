@@ -41,7 +41,8 @@ def vllm_runs(
     longest = max(map(len, prompts)) + max(new_tokens) + max((*ks, 0)) + 1
     runs = []
     for k in (0, *ks):  # a worker process per engine: vLLM's CPU build starts one engine
-        # per process cleanly (a third in one process fails rebinding its kernels)
+        # per process cleanly (one started after two others in a process failed rebinding
+        # its kernels)
         args = vllm_engine_args(model, kv_cache_bytes=2**28, max_model_len=longest)
         spec = ngram_config(k, lookup_min, lookup_max)
         with VllmPeer(threads=threads, inproc=True) as peer:
