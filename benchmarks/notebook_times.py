@@ -131,7 +131,6 @@ def time_notebook(
                 "message": lines[-1][:300] if lines else type(exc).__name__,
             }
         wall_s = time.perf_counter() - start
-        nbformat.write(nb, copy)  # the executed copy, in the temp dir only
     times = [(i, _seconds(c)) for i, c in enumerate(code_cells)]
     times = [(i, s) for i, s in times if s is not None]
     slowest = max(times, key=lambda t: t[1], default=None)
