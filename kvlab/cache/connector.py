@@ -96,6 +96,17 @@ class KVConnector(ABC):
     def wait_for_save(self) -> None:
         """Block until every save of the bound metadata is done."""
 
+    def run_worker(self, num_layers: int) -> None:
+        """kvlab's one-process shortcut: run the worker side on the scheduler side's
+        metadata at once, layer by layer as a forward would (vLLM makes these calls inside
+        each attention layer, so layer i's load overlaps layer i-1's compute)."""
+        self.bind_connector_metadata(self.build_connector_meta())
+        self.start_load_kv()
+        for layer in range(num_layers):
+            self.wait_for_layer_load(layer)  # a forward would run layer `layer` here
+            self.save_kv_layer(layer)
+        self.wait_for_save()
+
 
 SCHEDULER_SIDE = ("get_num_new_matched_tokens", "update_state_after_alloc",
                   "build_connector_meta", "request_finished")  # fmt: skip

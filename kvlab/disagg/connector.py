@@ -114,7 +114,7 @@ class PrefillDecodeConnector(KVConnector):
             self.arrived.pop(seq.request_id, None)
             return False, None
         self._saves.append((seq, self._slots(block_ids, seq.num_computed)))
-        self._run_worker()
+        self.run_worker(self.cache.pool.spec.num_layers)
         return False, None
 
     def load(self, seq: Sequence) -> None:
@@ -123,19 +123,9 @@ class PrefillDecodeConnector(KVConnector):
         matched, _ = self.get_num_new_matched_tokens(seq, 0)
         require(matched == seq.num_computed, f"request {seq.request_id}: no intact transfer")
         self.update_state_after_alloc(seq, self.cache.allocate_computed(seq), matched)
-        self._run_worker()
+        self.run_worker(self.cache.pool.spec.num_layers)
 
     # --- worker side ------------------------------------------------------------------
-    def _run_worker(self) -> None:
-        """kvlab's one-process shortcut: the worker side runs the metadata at once, layer by
-        layer as a forward would."""
-        self.bind_connector_metadata(self.build_connector_meta())
-        self.start_load_kv()
-        for layer in range(self.cache.pool.spec.num_layers):
-            self.wait_for_layer_load(layer)  # a forward would run layer `layer` here
-            self.save_kv_layer(layer)
-        self.wait_for_save()
-
     def bind_connector_metadata(self, meta):
         self._bound = meta
         self._layer = {"load": -1, "save": -1}

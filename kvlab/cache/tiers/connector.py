@@ -85,7 +85,7 @@ class TierConnector(KVConnector):
             if self.stack.write.on_release and any(key not in t for t in self.stack.tiers):
                 self._saves.append((block, key, seq.salt, True))
         if self._saves:
-            self._run_worker()
+            self.run_worker(self.cache.pool.spec.num_layers)
         return False, None
 
     def on_evict(self, block: int) -> None:
@@ -97,7 +97,7 @@ class TierConnector(KVConnector):
         salt = self.salts.pop(key)
         if key not in self.stack.tiers[0]:
             self._saves.append((block, key, salt, False))
-            self._run_worker()
+            self.run_worker(self.cache.pool.spec.num_layers)
 
     def promote(self, seq: Sequence, free_only: bool = False) -> int:
         """Load into the device the prompt blocks that tiers hold, as cached blocks the
@@ -127,7 +127,7 @@ class TierConnector(KVConnector):
         if loaded:
             bs = cache.block_size
             self.update_state_after_alloc(seq, loaded, len(loaded) * bs)
-            self._run_worker()
+            self.run_worker(self.cache.pool.spec.num_layers)
             self.index.insert(seq.prompt_ids[: len(chain) * bs], chain, seq.salt)
             text = f"tiers: {len(loaded)} block(s) ({len(loaded) * bs} tokens) loaded back"
             seq.notes.append(Note("tiers", "promoted", text + " onto the device"))
@@ -165,17 +165,6 @@ class TierConnector(KVConnector):
             self.transfers.prefetched += self.promote(seq, free_only=True)
 
     # --- worker side ------------------------------------------------------------------
-    def _run_worker(self) -> None:
-        """kvlab's one-process shortcut: the worker side runs the metadata at once, layer by
-        layer (vLLM makes these calls inside each attention layer of the forward, so layer
-        i's load overlaps layer i-1's compute)."""
-        self.bind_connector_metadata(self.build_connector_meta())
-        self.start_load_kv()
-        for layer in range(self.cache.pool.spec.num_layers):
-            self.wait_for_layer_load(layer)
-            self.save_kv_layer(layer)
-        self.wait_for_save()
-
     def bind_connector_metadata(self, meta):
         self._bound = meta
         self._saved = {i: [] for i in range(len(meta.saves))}
