@@ -151,6 +151,17 @@ class JupyterLab:
             time.sleep(0.5)
         raise RuntimeError(f"JupyterLab did not answer in {timeout_s:.0f} s:\n{self.server_log()}")
 
+    def shut_down_kernels(self) -> None:
+        """End every session and its kernel: each holds a model, and twelve would not fit."""
+        headers = {"Authorization": f"token {self.token}"}
+        listing = urllib.request.Request(f"{self.base}/api/sessions", headers=headers)
+        with urllib.request.urlopen(listing, timeout=30) as response:
+            sessions = json.load(response)
+        for session in sessions:
+            url = f"{self.base}/api/sessions/{session['id']}"
+            request = urllib.request.Request(url, headers=headers, method="DELETE")
+            urllib.request.urlopen(request, timeout=60).close()
+
     def server_log(self) -> str:
         self.log.flush()
         return (self.root / ".lab" / "server.log").read_text()[-3000:]
@@ -487,6 +498,7 @@ def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path) -
         raise AssertionError(f"{error}\nserver log:\n{server.server_log()}") from None
     finally:
         page.close()
+        server.shut_down_kernels()
 
 
 @pytest.mark.parametrize("name", NAMES)
