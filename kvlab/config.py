@@ -50,11 +50,17 @@ class EngineConfig:
             flowing; a step may then mix decodes and prompt chunks.
         schedule_order: "prefill-first" (waiting prompts get the step's token budget
             first) or "decode-first" (running decodes first, prompts get what is left).
-        admission: "reserve" (admit only if the request's worst case fits beside what
-            running ones may still claim: never preempts) or "watermark" (admit while the
-            free blocks left after the prompt stay above `watermark` of the pool: more
-            concurrency, and preemption when blocks run out mid-decode). Paged only.
-        watermark: fraction of the pool kept free at admission (watermark admission).
+        admission: "watermark" (admit while the free blocks left after the prompt stay
+            above `watermark` of the pool, and preempt when blocks run out mid-decode: as
+            vLLM does) or "reserve" (admit only if the request's worst case fits beside
+            what running ones may still claim: fewer at once, never preempts). None (the
+            default): the cache's own default, its first in `admissions`: "watermark" for
+            the paged cache, "reserve" for the naive one (its only choice); "reserve"
+            under a retention policy that drops blocks, whose prompt must stream in chunk
+            by chunk (watermark takes a prompt's blocks whole at admission).
+        watermark: fraction of the pool kept free at admission (watermark admission); 0,
+            the default, admits as soon as the prompt's blocks are free (vLLM V1 keeps
+            none; V0 kept 0.01).
         preemption: how a victim gives up its blocks when they run out: "recompute"
             (drop them; its prompt + generated tokens are prefilled again on resume) or
             "swap" (copy them to host memory and back on resume). The victim is the
@@ -100,8 +106,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     chunked_prefill: bool = False
     schedule_order: ScheduleOrder = "prefill-first"
-    admission: Admission = "reserve"
-    watermark: float = 0.01
+    admission: Admission | None = None  # None: the cache's default (paged: watermark)
+    watermark: float = 0.0
     preemption: Preemption = "recompute"
     batching: Batching = "continuous"
     attention: AttentionBackend = "torch"
@@ -116,6 +122,18 @@ class EngineConfig:
     retention_window: int = 256
     retention_sinks: int = 4
     retention_heavy: int = 256
+
+    @property
+    def admission_policy(self) -> str:
+        """The admission in force: `admission`, or when None the cache's default (the
+        first of its `admissions`), "reserve" under a retention policy that drops blocks."""
+        if self.admission is not None:
+            return self.admission
+        from kvlab.cache import CACHES
+
+        admissions = CACHES[self.cache].admissions
+        streams = self.retention != "full" and "reserve" in admissions
+        return "reserve" if streams else admissions[0]
 
     def __post_init__(self) -> None:
         from kvlab.cache import CACHES, PREFIX_INDEXES
@@ -137,7 +155,6 @@ class EngineConfig:
         for name, choices in (
             ("batching", Batching),
             ("schedule_order", ScheduleOrder),
-            ("admission", Admission),
             ("preemption", Preemption),
             ("attention", AttentionBackend),
         ):
@@ -147,7 +164,12 @@ class EngineConfig:
                 f"EngineConfig.{name}={value!r} is unknown; choose one of {get_args(choices)}",
             )
         _require(
-            self.admission in cache.admissions,
+            self.admission is None or self.admission in get_args(Admission),
+            f"EngineConfig.admission={self.admission!r} is unknown; choose one of "
+            f"{get_args(Admission)} or None (the cache's default)",
+        )
+        _require(
+            self.admission_policy in cache.admissions,
             f"EngineConfig.admission={self.admission!r} needs cache='paged' "
             f"(cache={self.cache!r} implements {cache.admissions})",
         )

@@ -13,7 +13,7 @@ guards:
     shares_prefixes   `publish(seq)`: the prompt is in the cache; reuse it (prefix caching)
     forks             `fork(parent, child)`: n > 1 samples share the prompt's blocks
     swaps             `swap_out`, `can_swap_in`, `swap_in`: swap preemption
-    admissions        the EngineConfig.admission policies it implements
+    admissions        the EngineConfig.admission policies it implements, its default first
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from kvlab.units import ceil_div
 @CACHES.register("paged")
 class PagedCache(KVCache):
     shares_prefixes = forks = swaps = True
-    admissions = ("reserve", "watermark")
+    admissions = ("watermark", "reserve")  # the first is the default, as vLLM
 
     def __init__(
         self,
@@ -82,7 +82,7 @@ class PagedCache(KVCache):
     @classmethod
     def from_config(cls, config, pool: KVPool, max_model_len: int) -> PagedCache:
         index = config.prefix_caching and PREFIX_INDEXES[config.prefix_caching](config.block_size)
-        watermark = config.watermark if config.admission == "watermark" else None
+        watermark = config.watermark if config.admission_policy == "watermark" else None
         retention = RETENTION[config.retention].from_config(
             config, pool.num_slots // config.block_size
         )

@@ -66,6 +66,7 @@ def check_against_engine(
         kv_codec=kv_codec,
         kv_budget_bytes=kv_budget_bytes,
         max_model_len=max_model_len,
+        admission="reserve",  # the planner counts sequences that fit whole, to the end
         max_num_seqs=n,
         max_num_batched_tokens=max(4096, n * prompt_len),  # admit them all in one step
     )

@@ -2,8 +2,9 @@
 
 A name is a cache kind followed by "+"-separated options: a prefix index ("hash", "radix",
 or "prefix" for hash, as vLLM), a KV codec ("int8", "kivi2", ...), "chunked" (chunked
-prefill), "watermark" (watermark admission, with preemption), "reserve" (the default,
-spelled out), "swap" (swap preemption),
+prefill), "watermark" (watermark admission, with preemption: the paged default, spelled
+out), "reserve" (reserve admission: worst case promised, never preempts), "swap" (swap
+preemption),
 "static" (static batching) and "bsN" (block size N). Cache kinds, prefix indexes and codecs
 come from their registries, so a newly registered one is a valid option at once.
 

@@ -214,7 +214,8 @@ def capacity(
     requests: Sequence[workloads.Request] | Sequence[tuple[list[int], int]],
     max_model_len: int = 2048,
 ) -> int:
-    """Requests the paged cache admits at once, in order, from a full queue.
+    """Requests the paged cache admits at once, in order, from a full queue, each
+    promised its worst case (reserve admission: every one of them runs to its end).
 
     `requests`: workload requests, or (prompt ids, max_new_tokens) pairs (tokenized once).
     A codec with a full-precision window (kivi2) pays for it out of the budget: every
@@ -241,8 +242,14 @@ def _admitted(
     pairs: list[tuple[str | list[int], int]],
     max_model_len: int,
 ) -> int:
+    # Reserve admission: a request counts once its whole answer fits, so the count is
+    # what the budget holds to the end, without preemption.
     config = EngineConfig(
-        cache="paged", kv_codec=kv_codec, kv_budget_bytes=budget_bytes, max_model_len=max_model_len
+        cache="paged",
+        admission="reserve",
+        kv_codec=kv_codec,
+        kv_budget_bytes=budget_bytes,
+        max_model_len=max_model_len,
     )
     engine = Engine(model, config)
     admitted = 0

@@ -187,7 +187,7 @@ class ServeMetrics:
             "cache_dtype": config.kv_codec or "auto",
             "kvlab_cache": config.cache,
             "kvlab_prefix_caching": config.prefix_caching,
-            "kvlab_admission": config.admission,
+            "kvlab_admission": config.admission_policy,
             "kvlab_preemption": config.preemption,
         }
         gauge = Gauge(

@@ -26,7 +26,8 @@ def _busy(stats: pd.DataFrame) -> pd.DataFrame:
 
 
 def occupancy_table(stats_by_name: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per cache: steps, peak running, mean/peak waste %, peak blocks used/total.
+    """One row per cache: steps, peak running, mean/peak waste %, peak blocks used/total,
+    peak reserved and live MiB, preemptions.
 
     Everything here is deterministic for greedy runs of a workload arriving at once.
     """
@@ -42,6 +43,7 @@ def occupancy_table(stats_by_name: dict[str, pd.DataFrame]) -> pd.DataFrame:
             "blocks": int(stats["blocks_used"].iloc[0] + stats["blocks_free"].iloc[0]),
             "peak reserved MiB": round(stats["reserved_bytes"].max() / MiB, 1),
             "peak live MiB": round(stats["live_bytes"].max() / MiB, 1),
+            "preemptions": int(stats["preemptions"].iloc[-1]) if len(stats) else 0,
         }
     return pd.DataFrame.from_dict(rows, orient="index")
 
