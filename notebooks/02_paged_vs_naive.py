@@ -32,7 +32,8 @@
 #   (the idea of vLLM's PagedAttention).
 #
 # and measures, step by step, how many sequences each keeps running, how much memory each
-# reserves, and how much of that is waste. Then two widgets: a map of the physical blocks
+# reserves, and how much of that is waste; then, under a budget answers outgrow, what each
+# admission policy buys. Then two widgets: a map of the physical blocks
 # over time, and a block-size dial that re-runs the engine live.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
@@ -99,20 +100,20 @@ except ValueError as error:
 
 # %%
 engines, outputs, seconds = {}, {}, {}
-for cache in ("naive", "paged"):
+for name in ("naive", "paged"):
     config = kvlab.EngineConfig(
-        cache=cache,
+        cache=name,
         block_size=16,
         max_model_len=2048,
         kv_budget_tokens=3 * 2048,
         record_block_map=True,
     )
-    engines[cache] = kvlab.Engine(model, config)
+    engines[name] = kvlab.Engine(model, config)
     wall, cpu = time.perf_counter(), time.process_time()
-    outputs[cache] = engines[cache].run(requests, ignore_eos=True)
-    seconds[cache] = (time.perf_counter() - wall, time.process_time() - cpu)
-    engines[cache].cache.check_integrity()
-stats = {cache: engine.stats() for cache, engine in engines.items()}
+    outputs[name] = engines[name].run(requests, ignore_eos=True)
+    seconds[name] = (time.perf_counter() - wall, time.process_time() - cpu)
+    engines[name].cache.check_integrity()
+stats = {name: engine.stats() for name, engine in engines.items()}
 
 # %% [markdown]
 # The cache only decides *where* K/V live, never *what* the model computes, so the greedy
@@ -143,7 +144,7 @@ memory_panels(stats, x="step").show()
 # ## 4 · The numbers
 #
 # Steps, peak running sequences, waste (mean and peak over the steps that hold memory),
-# and blocks (the naive cache's "blocks" are its 2,048-slot regions):
+# blocks (the naive cache's "blocks" are its 2,048-slot regions) and preemptions:
 
 # %%
 print(occupancy_table(stats).to_string())
@@ -167,11 +168,44 @@ print(
 )
 
 # %% [markdown]
-# Why, then, do the paged cache's 384 blocks not run all 8 requests at once? Its admission
-# is still careful: a request gets in only if the blocks it *could* need
-# (prompt + `max_new_tokens`) fit beside what the running requests could still claim, so
-# no sequence can run out of blocks halfway through its answer. Preemption (taking blocks
-# back and recomputing later) lets an engine admit more optimistically.
+# ### What admission buys
+#
+# Above, the paged cache's admission never had to choose: all 8 requests and their answers
+# fitted in its 384 blocks. When the answers outgrow the pool, the
+# paged cache must decide whom to let in, `EngineConfig.admission`:
+#
+# * `"watermark"`, the paged default, as vLLM: a request is admitted as soon as its
+#   prompt's blocks are free; when blocks run out while the running requests decode, the
+#   scheduler **preempts** one (drops its blocks, recomputes it later);
+# * `"reserve"`: a request is admitted only if the blocks it *could* ever need
+#   (prompt + `max_new_tokens`) fit beside what the running requests could still claim:
+#   nothing is ever preempted, but fewer run at once.
+#
+# Six chat requests (~40-token prompts, 24-token answers) in 16 blocks of 8 slots:
+
+# %%
+pressure, tokens = {}, {}
+for admission in ("watermark", "reserve"):
+    config = kvlab.EngineConfig(
+        cache="paged", admission=admission, block_size=8, max_model_len=128, kv_budget_tokens=16 * 8
+    )
+    engine = kvlab.Engine(model, config)
+    answers = engine.run(workloads.uniform_chat(6, max_new_tokens=24), ignore_eos=True)
+    pressure[admission], tokens[admission] = engine.stats(), [a.token_ids for a in answers]
+table = occupancy_table(pressure)
+table["recomputed tokens"] = [int(p["recomputed_tokens"].iloc[-1]) for p in pressure.values()]
+columns = ["steps", "peak running", "peak blocks used", "preemptions", "recomputed tokens"]
+print(table[columns].to_string())
+print("identical greedy outputs:", tokens["watermark"] == tokens["reserve"])
+
+# %% [markdown]
+# `watermark` starts more requests at once and fills the pool; when their answers outgrow
+# it, it preempts and recomputes what it dropped (the recomputed tokens). `reserve` never
+# preempts and never wastes a forward, but keeps blocks idle for answers not yet written,
+# so fewer run at once and it needs more steps. Here every answer runs to its
+# `max_new_tokens` (`ignore_eos`), the worst case `reserve` plans for; real answers that
+# stop early at EOS leave its promises even emptier. That is why vLLM, and kvlab's paged
+# default, admit optimistically. Notebook 05 looks at preemption under pressure.
 #
 # Time on this machine (not compared by the tests; the CPU time is steadier than the wall
 # time on a shared machine). Don't expect a big speed-up here: these long prompts make
@@ -246,8 +280,9 @@ print(sizes.table().to_string())
 # * Use the full `doc_qa()` answers (`long_answer=(64, 128)`): longer answers widen the
 #   gap, because the naive region is reserved for the whole answer from the first step.
 # * Build a `BlockMapExplorer` on `engines["naive"]`: three huge "blocks", one per region.
-# * Try `admission="watermark"` in the paged engine's config: it admits a request once its
-#   prompt fits, and preempts a running one if blocks run out mid-answer.
+# * Halve the budget (`kv_budget_tokens=3 * 1024`, `max_model_len=1024` with shorter
+#   documents): when do `watermark`'s preemptions start, and does `reserve` then finish
+#   sooner?
 # * Many doc-QA prompts start with the same 300-token preamble, computed and stored once
 #   per request here: that is what prefix caching shares.
 #

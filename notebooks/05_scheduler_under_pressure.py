@@ -76,9 +76,9 @@ print(f"budget for 4x oversubscription: {budget} slots = {budget // 8} blocks of
 print(f"one request at its longest: {max(len(o.prompt_token_ids) for o in calm_outputs) + 32}")
 
 # %% [markdown]
-# Now the same burst with a quarter of that memory. `admission="watermark"` admits a
-# request whenever its *prompt* fits (keeping a small fraction of the pool free), rather
-# than reserving its worst case; so requests start early, grow, and run out of blocks
+# Now the same burst with a quarter of that memory. `admission="watermark"`, the paged
+# default (as vLLM), admits a request whenever its *prompt* fits, rather than reserving
+# its worst case; so requests start early, grow, and run out of blocks
 # mid-decode. The engine then preempts the running request of lowest priority, and among
 # equals the one admitted most recently. Once in each mode:
 

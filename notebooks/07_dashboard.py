@@ -308,8 +308,9 @@ print(dash.status.value.split(";")[0])
 # * In the dashboard, lower the budget until the naive design fits one sequence, then
 #   raise it until paging stops mattering: where do the designs converge?
 # * Add `paged+radix` (SGLang's token-granular prefix matching) and `paged+prefix+kivi2`.
-# * `kvlab compare --configs paged,paged+watermark` compares admission policies: the
-#   watermark admits more and preempts when blocks run out (`preemptions`).
+# * `kvlab compare --configs paged,paged+reserve` compares admission policies: the
+#   default watermark admits more and preempts when blocks run out (`preemptions`);
+#   reserve promises each request its worst case and never preempts.
 # * `kvlab bench --workload chat --rounds 3 --save my_bench.json`, then
 #   `Dashboard(model, bench="my_bench.json")` draws your machine's bars. Add
 #   `--peers vllm` after `make peers`, and `--vllm-threads 2` to bind vLLM's compute to
