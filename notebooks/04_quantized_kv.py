@@ -32,7 +32,8 @@
 # 4. the **gain**: how many doc-QA requests one KV budget holds with each codec.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model.
+# the model. `FULL_SIZE = True` scores greedy agreement on all 64 chat prompts instead of
+# 24 (a few more minutes on a CPU).
 
 # %%
 import platform
@@ -42,7 +43,7 @@ import plotly.io as pio
 import torch
 
 import kvlab
-from kvlab import workloads
+from kvlab import texts, workloads
 from kvlab.experiments import quality
 from kvlab.model.runner import ModelRunner
 from kvlab.viz.quantization import (
@@ -59,6 +60,8 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 runner = ModelRunner(model.hf_model)
+FULL_SIZE = False  # True: greedy agreement on all 64 chat prompts, 16 answered freely
+PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (24, 6)
 
 # %% [markdown]
 # ## 1 · Seven codecs, one interface
@@ -142,27 +145,36 @@ CodecExplorer(forcing.k, forcing.v, codec="int4", layer=layer)
 #
 # `quality.codec_report` adds to the teacher-forced scores:
 #
-# * **greedy agreement**: the paged engine answers all 64 of kvlab's chat prompts
-#   greedily (to EOS, at most 48 tokens: about 2,800 answer tokens) without a codec;
+# * **greedy agreement**: the paged engine answers the first `PROMPTS` of kvlab's 64 chat
+#   prompts greedily (to EOS, at most 48 tokens each: about 1,000 answer tokens for 24)
+#   without a codec;
 #   then, at every step of those answers, does the codec pick the same greedy token given
 #   the same history? Each step reads its K/V back through the codec, as a decode step
-#   does. `free_run_agreement` lets each codec answer the first 16 prompts on its own
+#   does. `free_run_agreement` lets each codec answer the first `FREE_RUN` on its own
 #   instead: it is strict, since after a first difference the rest of the answer usually
 #   differs too, so one near-tie between two tokens costs a whole answer;
 # * **K/V error**: the codec alone, on the baseline's real K/V;
 # * **capacity**: how many of 128 doc-QA requests (a ~300-token preamble, a document
 #   and a question; 8-24 answer tokens) the paged cache admits at once from a full
 #   queue with 512 MiB of KV, reserving each request's worst case (prompt + answer) as
-#   the engine's default admission does. This is counted by the cache's own admission
-#   check, not by running the requests. kivi2 also keeps each sequence's last 0-15
-#   tokens in full precision (its window); that memory is taken out of its budget first.
+#   `admission="reserve"` does, so every request counted runs to its end. This is
+#   counted by the cache's own admission check, not by running the requests. kivi2
+#   also keeps each sequence's last 0-15 tokens in full precision (its window); that
+#   memory is taken out of its budget first.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 budget = 512 * 2**20
 requests = workloads.doc_qa(n=128, long_fraction=0.0)
 start = time.perf_counter()
-report = quality.codec_report(model, forcing=forcing, budget_bytes=budget, requests=requests)
+report = quality.codec_report(
+    model,
+    forcing=forcing,
+    prompts=texts.chat_prompts()[:PROMPTS],
+    free_run=FREE_RUN,
+    budget_bytes=budget,
+    requests=requests,
+)
 print(f"report in {time.perf_counter() - start:.0f} s")
 
 # %%
