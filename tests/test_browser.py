@@ -10,7 +10,9 @@ saves the notebook from the browser, and checks that
   drawn on the page (an svg.main-svg in it);
 - in every widget app (each ipywidgets output), moving its first control (a slider with
   the keyboard, a dropdown to the option before) redraws the plotly figure beside it,
-  pressing the app's Run button when the move alone redraws nothing (the dashboard);
+  pressing the app's Run button when the move alone redraws nothing (the dashboard); the
+  figure is compared once the kernel has handled the move (an empty execute queued behind
+  it has finished), so the screenshot shows the app's final state, not a half-way one;
 - every plotly animation (a figure with a plotly slider) shows another frame when its
   slider's rail is clicked.
 One screenshot per notebook goes to docs/screenshots/ (<notebook stem>.png unless
@@ -127,6 +129,7 @@ class JupyterLab:
                 f"--LabApp.user_settings_dir={root / '.lab' / 'settings'}",
                 f"--LabApp.workspaces_dir={root / '.lab' / 'workspaces'}",
                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: KERNEL_DONE_JS
                 *(["--allow-root"] if os.geteuid() == 0 else []),  # CI containers run as root
             ],
             cwd=root,
@@ -240,6 +243,18 @@ PROGRESS_JS = """() => {
 
 KERNEL_IDLE_JS = """() => Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
   .some(item => /\\|\\s*Idle/.test(item.innerText))"""
+
+# An empty execute queued behind what the page sent the kernel (a widget's new value, a
+# button's click): it finishes once the kernel handled all of it. The status bar's Busy/Idle
+# is no such sign: with a plotly FigureWidget on the page it reads Idle while a widget's
+# callback still runs.
+KERNEL_DONE_JS = """async (timeoutMs) => {
+  const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  const done = kernel.requestExecute({code: '', silent: true, store_history: false}).done;
+  const late = new Promise((_, reject) => setTimeout(
+    () => reject(new Error(`the kernel was still busy after ${timeoutMs / 1000} s`)), timeoutMs));
+  await Promise.race([done, late]);
+}"""
 
 FIGURES_JS = """(cell) => Array.from(cell.querySelectorAll('.js-plotly-plot')).map(gd => {
   let data = '';
@@ -394,21 +409,19 @@ def _click_plotly_slider(page, cell) -> str:
     return f"plotly slider {before!r} -> {after!r}"
 
 
-def _wait_for_change(page, cell, before: list[str], timeout_s: float, idle_s: float = 5) -> bool:
-    """Wait until the cell's figures change; give up once the kernel sat idle for `idle_s`
-    with nothing changed (nothing is coming), or after `timeout_s`."""
-    deadline, idle_since = time.monotonic() + timeout_s, None
+def _wait_for_change(cell, before: list[str], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cell.evaluate(FIGURES_JS) != before:
             return True
-        if not page.evaluate(KERNEL_IDLE_JS):
-            idle_since = None
-        elif idle_since is None:
-            idle_since = time.monotonic()
-        elif time.monotonic() - idle_since > idle_s:
-            return False
         time.sleep(0.5)
     return False
+
+
+def _redrawn(page, cell, before: list[str]) -> bool:
+    """Once the kernel has handled what the page sent, has the cell's figure changed?"""
+    page.evaluate(KERNEL_DONE_JS, CELL_TIMEOUT_S * 1000)
+    return _wait_for_change(cell, before, 10)  # plotly draws the update it received
 
 
 def _check_app(page, cell) -> str:
@@ -416,35 +429,21 @@ def _check_app(page, cell) -> str:
     cell.scroll_into_view_if_needed()
     before = cell.evaluate(FIGURES_JS)
     moved = _move_first_control(page, cell)
-    changed = _wait_for_change(page, cell, before, CELL_TIMEOUT_S)
+    changed = _redrawn(page, cell, before)
     buttons = cell.locator("button.jupyter-button", has_text="Run")
     if not changed and buttons.count():  # an app that recomputes on Run (the dashboard)
         buttons.first.click()
         moved += ", Run"
-        changed = _wait_for_change(page, cell, before, CELL_TIMEOUT_S)
+        changed = _redrawn(page, cell, before)
     assert changed, f"the plotly figure did not change after the move ({moved})"
-    _settle(page, cell)
     return moved
-
-
-def _settle(page, cell, quiet_s: float = 3) -> None:
-    """Wait until the kernel is idle and the cell's figures stayed the same for `quiet_s`."""
-    deadline = time.monotonic() + CELL_TIMEOUT_S
-    last, quiet_since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        now = cell.evaluate(FIGURES_JS)
-        if now != last or not page.evaluate(KERNEL_IDLE_JS):
-            last, quiet_since = now, time.monotonic()
-        elif time.monotonic() - quiet_since > quiet_s:
-            return
-        time.sleep(0.5)
 
 
 def _check_animation(page, cell) -> str:
     """Click a step on the plotly slider and see the figure show another frame."""
     before = cell.evaluate(FIGURES_JS)
     moved = _click_plotly_slider(page, cell)
-    assert _wait_for_change(page, cell, before, 10), f"the animation did not move ({moved})"
+    assert _wait_for_change(cell, before, 10), f"the animation did not move ({moved})"
     return moved
 
 
