@@ -120,16 +120,17 @@ print(table[exact].to_string())
 # * **naive** reserves a whole 2,048-slot region per request: one request at a time,
 #   and more than half of what it reserves is never written (`waste_frac`).
 # * **paged** reserves blocks as tokens arrive; its waste is only the tail of each
-#   sequence's last block. It admits a request when the blocks it *could* need (prompt +
-#   `max_new_tokens`) fit, so two run at once.
+#   sequence's last block. It admits a request as soon as its prompt's blocks are free
+#   (watermark admission, as vLLM), so three run at once; `paged+reserve`, which admits
+#   only when the blocks a request *could* need (prompt + `max_new_tokens`) fit, runs
+#   two.
 # * **paged+prefix** stores the shared preamble once: `prefix_hit_rate` is the share of
 #   prompt tokens served from the cache instead of computed, and the blocks saved make
 #   room for more requests.
 # * **paged+prefix+int8** holds ~3.9× the tokens in the same bytes: every request is
-#   admitted in the first step. Its `prefix_hit_rate` is 0, and that is no bug: a prompt's
-#   blocks become shareable once its prefill has run, and here all five prompts are
-#   prefilled in the same step. Prefix caching pays when requests arrive over time, or
-#   when memory makes them queue (as in the paged+prefix run).
+#   admitted in the first step, and the later four share the first one's preamble blocks
+#   in that very step: a prompt's blocks are published as soon as the step that fills
+#   them is scheduled (as in vLLM V1), so the same `prefix_hit_rate`.
 #
 # The cache decides where K/V live, not what the model computes, so naive, paged and
 # paged+prefix produce the same greedy tokens; int8 rounds K/V, and may change a few:
