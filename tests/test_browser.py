@@ -17,8 +17,9 @@ saves the notebook from the browser, and checks that
   slider's rail is clicked.
 One screenshot per notebook goes to docs/screenshots/ (<notebook stem>.png unless
 SCREENSHOT_NAMES says otherwise): the first widget app's output area after its control
-moved, or, in a notebook without widgets, its first plotly figure (SCREENSHOT_FIGURE picks
-another).
+moved; in a notebook without widgets, its first animation after the step, or else its
+first plotly figure. The page is 1600 px wide: the dashboard's 1000 px figure and its
+legend fit beside the prompts.
 
 It works on copies of the notebooks (outputs cleared) in a temporary mirror of the
 repository (notebooks/ holds the copies; every other top-level folder is a symlink, so
@@ -68,7 +69,6 @@ CELL_TIMEOUT_S = float(os.environ.get("KVLAB_BROWSER_CELL_TIMEOUT", "900"))
 RUN_ALL_TIMEOUT_S = float(os.environ.get("KVLAB_BROWSER_TIMEOUT", "2400"))
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))  # every top-level one
 SCREENSHOT_NAMES = {"02_paged_vs_naive.ipynb": "02_paged_vs_naive_block_map.png"}  # else stem
-SCREENSHOT_FIGURE: dict[str, int] = {}  # no widgets: which figure (page order) if not the first
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 CONTROLS = ".widget-slider, .widget-dropdown"  # the kinds of control an app's first may be
@@ -451,7 +451,7 @@ def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path) -
     """Open `name`, Run All, check for errors and drawn figures, move every app's first
     control and every animation's slider, see each figure redraw; take the screenshot."""
     started = time.monotonic()
-    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    page = browser.new_page(viewport={"width": 1600, "height": 1800})
     try:
         page.set_default_timeout(60_000)
         # A workspace of its own per notebook: JupyterLab would otherwise reopen the
@@ -484,9 +484,10 @@ def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path) -
         screenshot.parent.mkdir(parents=True, exist_ok=True)
         if apps:  # the first app's output area: the app, not its code
             apps[0].locator(".jp-OutputArea").first.screenshot(path=screenshot)
-        else:
-            shown = page.locator(f"{PANEL} .jp-OutputArea .js-plotly-plot")
-            shown.nth(SCREENSHOT_FIGURE.get(name, 0)).screenshot(path=screenshot)
+        else:  # the animation that was stepped, or else the first figure
+            figures_shown = page.locator(f"{PANEL} .jp-OutputArea .js-plotly-plot")
+            animations = figures_shown.filter(has=page.locator(".slider-container"))
+            (animations if animations.count() else figures_shown).first.screenshot(path=screenshot)
         total_s = time.monotonic() - started
         return (
             f"{name}: Run All {ran_s:.0f} s, {figures} figures drawn, {len(apps)} apps, "
