@@ -50,16 +50,15 @@ class EngineConfig:
             flowing; a step may then mix decodes and prompt chunks.
         schedule_order: "prefill-first" (waiting prompts get the step's token budget
             first) or "decode-first" (running decodes first, prompts get what is left).
-        admission: "watermark" (admit while the free blocks left after the prompt stay
-            above `watermark` of the pool, and preempt when blocks run out mid-decode: as
-            vLLM does) or "reserve" (admit only if the request's worst case fits beside
-            what running ones may still claim: fewer at once, never preempts). None (the
-            default): the cache's own default, its first in `admissions`: "watermark" for
-            the paged cache, "reserve" for the naive one (its only choice); "reserve"
-            under a retention policy that drops blocks, whose prompt must stream in chunk
-            by chunk (watermark takes a prompt's blocks whole at admission).
+        admission: "watermark" (admit while the free blocks left after the first step's
+            tokens, the prompt or its first chunk, stay above `watermark` of the pool;
+            take blocks as tokens arrive and preempt when they run out: as vLLM V1 does)
+            or "reserve" (admit only if the request's worst case fits beside what running
+            ones may still claim: fewer at once, never preempts). None (the default): the
+            cache's own default, its first in `admissions`: "watermark" for the paged
+            cache, "reserve" for the naive one (its only choice).
         watermark: fraction of the pool kept free at admission (watermark admission); 0,
-            the default, admits as soon as the prompt's blocks are free (vLLM V1 keeps
+            the default, admits as soon as the first step's blocks are free (vLLM V1 keeps
             none; V0 kept 0.01).
         preemption: how a victim gives up its blocks when they run out: "recompute"
             (drop them; its prompt + generated tokens are prefilled again on resume) or
@@ -126,14 +125,12 @@ class EngineConfig:
     @property
     def admission_policy(self) -> str:
         """The admission in force: `admission`, or when None the cache's default (the
-        first of its `admissions`), "reserve" under a retention policy that drops blocks."""
+        first of its `admissions`)."""
         if self.admission is not None:
             return self.admission
         from kvlab.cache import CACHES
 
-        admissions = CACHES[self.cache].admissions
-        streams = self.retention != "full" and "reserve" in admissions
-        return "reserve" if streams else admissions[0]
+        return CACHES[self.cache].admissions[0]
 
     def __post_init__(self) -> None:
         from kvlab.cache import CACHES, PREFIX_INDEXES

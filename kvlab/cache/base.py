@@ -85,13 +85,15 @@ class KVCache(ABC):
         """Raise ValueError if `seq` could never be served within this cache's budget."""
 
     @abstractmethod
-    def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
+    def can_admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> bool:
         """Whether `seq` can be admitted now without endangering running sequences.
 
-        `alone`: no sequence is running (headroom kept for running ones is not needed)."""
+        `alone`: no sequence is running (headroom kept for running ones is not needed).
+        `chunk`: the most tokens `seq` computes in its first step (None: all it has); a
+        cache that takes blocks as tokens arrive needs room for those only."""
 
     @abstractmethod
-    def _allocate(self, seq: Sequence, alone: bool) -> None:
+    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
         """Reserve what this variant reserves at admission."""
 
     @abstractmethod
@@ -133,11 +135,12 @@ class KVCache(ABC):
         """Raise IntegrityError naming the broken invariant, if any."""
 
     # --- shared behaviour ----------------------------------------------------------
-    def admit(self, seq: Sequence, alone: bool = False) -> None:
-        """Give `seq` what it needs to start (after `can_admit(seq, alone)` said yes)."""
+    def admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> None:
+        """Give `seq` what it needs to start (after `can_admit(seq, alone, chunk)` said
+        yes)."""
         if seq.request_id in self.sequences:
             raise ValueError(f"request {seq.request_id} is already admitted")
-        self._allocate(seq, alone)
+        self._allocate(seq, alone, chunk)
         self.sequences[seq.request_id] = seq
 
     def free(self, seq: Sequence) -> None:

@@ -41,10 +41,10 @@ class NaiveCache(KVCache):
     def check_fits(self, seq: Sequence) -> None:
         """Nothing to check: a region holds max_model_len tokens, where the engine stops."""
 
-    def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
+    def can_admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> bool:
         return bool(self.free_regions)
 
-    def _allocate(self, seq: Sequence, alone: bool) -> None:
+    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
         if not self.free_regions:
             raise RuntimeError("no free region: call can_admit() first")
         self.region_of[seq.request_id] = self.free_regions.pop()

@@ -10,9 +10,10 @@ Admission is one of two policies:
   ceil(min(prompt + max_new_tokens, max_model_len) / block_size), one copy of a shared
   block it will write, and the tails of its n - 1 samples not yet forked). Blocks are
   taken lazily, so memory is only *held* as tokens arrive, but nobody ever runs out.
-- watermark: a request is admitted when its prompt's blocks fit and `watermark` of the
-  pool stays free for running sequences to grow into (waived when none runs); when
-  blocks run out mid-decode the scheduler preempts.
+- watermark: a request is admitted when the blocks of its first step's tokens (its
+  prompt, or the first chunk of it) fit and `watermark` of the pool stays free for
+  running sequences to grow into (waived when none runs). Later chunks and decodes take
+  blocks as they run, as in vLLM V1; when blocks run out the scheduler preempts.
 
 With a prefix index (`prefix_caching="hash" | "radix"`), admission first looks the
 prompt up: matched blocks join the new table by reference (their tokens are not computed
@@ -154,40 +155,48 @@ class PagedCache(KVCache):
         blocks = match.blocks + ([match.partial_block] if match.partial_block is not None else [])
         return sum(1 for b in blocks if b in self.allocator.cached)
 
-    def _fits(self, seq: Sequence, match: PrefixMatch, alone: bool) -> bool:
+    def _fits(self, seq: Sequence, match: PrefixMatch, alone: bool, chunk: int | None) -> bool:
         available = self.allocator.num_available - self._pinned(match)
         if self.reserves:
             need = self.worst_case_blocks(seq) - len(match.blocks) + self.unforked_blocks(seq)
             return need <= available - self.promised_blocks()
-        prompt = ceil_div(seq.num_tokens, self.block_size) - len(match.blocks)
-        return prompt <= available - self._headroom(alone)
+        first = self._first_step_end(seq, match, chunk)
+        need = ceil_div(first, self.block_size) - len(match.blocks)
+        return need <= available - self._headroom(alone)
 
-    def _plan(self, seq: Sequence, alone: bool) -> PrefixMatch | None:
+    def _first_step_end(self, seq: Sequence, match: PrefixMatch, chunk: int | None) -> int:
+        """Tokens `seq` holds after its first step: the prefix hit, then `chunk` more
+        (None: every token it has)."""
+        hit = len(match.blocks) * self.block_size + match.partial_tokens
+        return seq.num_tokens if chunk is None else min(seq.num_tokens, hit + chunk)
+
+    def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> PrefixMatch | None:
         """The prefix match `seq` is admitted with now, or None if it cannot be admitted.
 
         A partial (radix) hit pins its source block while copying it; when that pin is
         what stops the request from fitting, the partial tokens are recomputed instead.
         """
         match = self._lookup(seq)
-        if self._fits(seq, match, alone):
+        if self._fits(seq, match, alone, chunk):
             return match
         full = PrefixMatch(match.blocks)
-        if match.partial_block is not None and self._fits(seq, full, alone):
+        if match.partial_block is not None and self._fits(seq, full, alone, chunk):
             return full
         return None
 
-    def can_admit(self, seq: Sequence, alone: bool = False) -> bool:
-        """Whether `seq` can be admitted now. `alone`: no sequence is running."""
-        return self._plan(seq, alone) is not None
+    def can_admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> bool:
+        """Whether `seq` can be admitted now. `alone`: no sequence is running; `chunk`:
+        the most tokens its first step computes (None: all)."""
+        return self._plan(seq, alone, chunk) is not None
 
     def _headroom(self, alone: bool) -> int:
         """Blocks watermark admission keeps free for running sequences (none if none run)."""
         return 0 if alone or self.reserves else self.watermark_blocks
 
-    def _allocate(self, seq: Sequence, alone: bool) -> None:
+    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
         if self.connector is not None:  # tiers: load held blocks back first (a longer hit)
             self.connector.promote(seq)
-        match = self._plan(seq, alone)
+        match = self._plan(seq, alone, chunk)
         if match is None:
             raise ValueError(f"request {seq.request_id} does not fit: call can_admit() first")
         table = []
@@ -208,9 +217,9 @@ class PagedCache(KVCache):
             self._explain_hit(seq, match, hit)
         seq.num_computed = seq.prefix_hit_tokens = hit
         if not self.reserves:
-            # Take the prompt's blocks now, so the next admission in the same step sees
-            # them gone (watermark admission makes no promises to count instead).
-            self.ensure_capacity(seq, seq.num_tokens)
+            # Take the first step's blocks now, so the next admission in the same step
+            # sees them gone (watermark admission makes no promises to count instead).
+            self.ensure_capacity(seq, self._first_step_end(seq, match, chunk))
 
     def _explain_hit(self, seq: Sequence, match: PrefixMatch, hit: int) -> None:
         """Note on `seq` how much of its prompt hit the cache and, if not all, why not."""

@@ -143,7 +143,7 @@ def score(
     config = replace(config, cache="paged", kv_budget_tokens=slots, kv_budget_bytes=None)
     cache = make_cache(config, runner.kv_spec, runner.dtype, runner.device, slots)
     seq = Sequence(0, list(ids[:-1]), SamplingParams(max_new_tokens=1))
-    cache.admit(seq, alone=True)
+    cache.admit(seq, alone=True, chunk=chunk)
     attention = runner.attention_fn
     if cache.retention.observes_attention:
         from kvlab.cache.retention.scores import ScoredAttention
