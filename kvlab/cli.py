@@ -99,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     _endpoint_args(bench)
     bench.set_defaults(run=run_bench)
 
+    prof = commands.add_parser(
+        "profile", help="where kvlab's step time goes, part by part, beside the decode floor"
+    )
+    _workload_args(prof, default="uniform-chat")
+    prof.add_argument("--config", default="paged+prefix", help="one kvlab config name")
+    prof.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    prof.add_argument("--budget", default=None, help="KV budget; default: the whole workload")
+    prof.add_argument("--save", default=None, metavar="PATH", help="save steps + floor as JSON")
+    prof.set_defaults(run=run_profile)
+
     plan = commands.add_parser("plan", help="capacity planner: how many sequences fit")
     plan.add_argument(
         "--model",
@@ -371,6 +381,51 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"OpenMP on cores {vllm['omp_core_ids']}"
             )
         _print_endpoint(endpoint)
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from kvlab.experiments.bench import whole_workload_bytes
+    from kvlab.experiments.configs import default_max_model_len, model_bytes_per_token, parse_config
+    from kvlab.experiments.step_profile import decode_floor, parts_table, profile_steps
+    from kvlab.workloads import encode_requests
+
+    model, budget = _model_and_budget(args, [args.config])
+    requests = encode_requests(model, _load_workload(args))
+    prompts = [list(r.prompt) for r in requests]
+    budget = budget or whole_workload_bytes(
+        prompts, [r.max_new_tokens for r in requests], model_bytes_per_token(model)
+    )
+    max_model_len = args.max_model_len or default_max_model_len(model, requests)
+    config = parse_config(args.config, kv_budget_bytes=budget, max_model_len=max_model_len)
+    steps = profile_steps(model, requests, config, progress=not args.quiet)
+    floor = decode_floor(model, steps)
+    tables = {
+        phase: parts_table(steps, phase)
+        for phase in ("prefill", "mixed", "decode")
+        if (steps["phase"] == phase).any()
+    }
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"steps": steps.to_dict("records"), "floor": floor.to_json()}, f, indent=1)
+    if args.json:
+        out = {phase: t.round(3).to_dict("index") for phase, t in tables.items()}
+        print(json.dumps({"parts": out, "floor": floor.to_json()}, indent=2))
+        return 0
+    dtype = str(model.dtype).removeprefix("torch.")
+    print(f"{args.workload}: {len(requests)} requests, {args.config}, {dtype}")
+    for phase, table in tables.items():
+        count = int((steps["phase"] == phase).sum())
+        print(f"\n{phase} steps ({count}), mean per step:")
+        print(table.round(2).to_string())
+    rates = floor.rates
+    print(
+        f"\ndecode floor: {floor.floor_ms:.1f} ms per step of {floor.batch_seqs:.1f} sequences "
+        f"(bytes {(floor.weight_bytes + floor.kv_bytes) / 1e6:.0f} MB / "
+        f"{rates.bandwidth_gb_s:.1f} GB/s copy bandwidth = {floor.bandwidth_ms:.1f} ms; "
+        f"{floor.gflop:.2f} GFLOP / {rates.matmul_gflop_s:.0f} GFLOP/s matmul rate = "
+        f"{floor.compute_ms:.1f} ms; {rates.threads} torch threads)"
+    )
     return 0
 
 

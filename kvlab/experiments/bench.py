@@ -191,6 +191,12 @@ def _first_eos_prefix(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+def whole_workload_bytes(prompts: list[list[int]], max_new: list[int], per_token: int) -> int:
+    """KV bytes that hold every request at once: prompt + max_new_tokens, in 16-token
+    blocks (the benchmark's default budget: no system waits for memory)."""
+    return sum(round_up(len(p) + n, 16) for p, n in zip(prompts, max_new)) * per_token
+
+
 def run_bench(
     model: LoadedModel,
     requests: list[Request],
@@ -232,7 +238,7 @@ def run_bench(
     per_token = model_bytes_per_token(model)
     max_model_len = max_model_len or default_max_model_len(model, requests)
     if budget_bytes is None:
-        budget_bytes = sum(round_up(len(p) + n, 16) for p, n in zip(prompts, max_new)) * per_token
+        budget_bytes = whole_workload_bytes(prompts, max_new, per_token)
     kvlab_configs = {
         ("kvlab" if len(configs) == 1 else f"kvlab-{name}"): parse_config(
             name, kv_budget_bytes=budget_bytes, max_model_len=max_model_len, **engine_options

@@ -1,0 +1,300 @@
+"""Where an engine step's time goes, part by part, and how far it is from its floor.
+
+    steps = profile_steps(model, requests, config)  # one row per step, ms per part
+    parts_table(steps)                               # decode steps: ms per step, share
+    floor = decode_floor(model, steps)               # bytes / bandwidth, FLOPs / rate
+
+Each part is timed by wrapping what does it, on this engine only (the wrappers go when
+the run ends); CPU work is synchronous, so wall clocks attribute it exactly (on CUDA the
+times are launch times). The parts:
+
+- schedule: the scheduler choosing the batch and securing its blocks (Python);
+- metadata: positions, slot mappings and attention groups built for the step;
+- kv write / kv gather: storing the new K/V in the pool, reading the context back;
+- attention: scaled-dot-product attention over what was gathered;
+- matmuls: every linear layer (QKV, O, gate/up, down, LM head);
+- other forward: embedding, norms, RoPE, residual adds, SiLU;
+- sampling: logits to tokens;
+- bookkeeping: the rest of the step in Python (advancing sequences, finishing
+  requests, telemetry).
+
+The floor of a decode step on this machine is the larger of two measured quotients:
+bytes it must read (every weight once, each sequence's K/V context) over the memory
+bandwidth a large torch copy reaches, and its FLOPs over the rate a large matmul reaches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from kvlab.config import EngineConfig
+from kvlab.engine.engine import Engine
+from kvlab.model.loading import LoadedModel
+from kvlab.workloads import Request
+
+PARTS = (
+    "schedule",
+    "metadata",
+    "kv write",
+    "kv gather",
+    "attention",
+    "matmuls",
+    "other forward",
+    "sampling",
+    "bookkeeping",
+)
+
+
+class _Clock:
+    """Seconds spent inside each wrapped part during the current step."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[part] += time.perf_counter() - start
+
+        return timed
+
+
+class _TimedFunctional:
+    """torch.nn.functional with `linear` timed (the runner's matmuls), all else as is."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.linear = clock.wrap("matmuls", F.linear)
+
+    def __getattr__(self, name: str):
+        return getattr(F, name)
+
+
+@contextmanager
+def _instrumented(engine: Engine, clock: _Clock):
+    """Wrap the parts of `engine`'s step with `clock`; unwrap on exit."""
+    import kvlab.engine.engine as engine_module
+    import kvlab.model.runner as runner_module
+
+    runner, pool, scheduler = engine.runner, engine.cache.pool, engine.scheduler
+    saved = {
+        (scheduler, "schedule"): scheduler.schedule,
+        (pool, "write"): pool.write,
+        (pool, "gather"): pool.gather,
+        (runner, "attention_fn"): runner.attention_fn,
+        (runner, "forward"): runner.forward,
+        (engine_module, "build_attention_metadata"): engine_module.build_attention_metadata,
+        (engine_module, "sample"): engine_module.sample,
+        (runner_module, "F"): runner_module.F,
+    }
+    wrapped = {
+        (scheduler, "schedule"): clock.wrap("schedule", scheduler.schedule),
+        (pool, "write"): clock.wrap("kv write", pool.write),
+        (pool, "gather"): clock.wrap("kv gather", pool.gather),
+        (runner, "attention_fn"): clock.wrap("attention+gather", runner.attention_fn),
+        (runner, "forward"): clock.wrap("forward", runner.forward),
+        (engine_module, "build_attention_metadata"): clock.wrap(
+            "metadata", engine_module.build_attention_metadata
+        ),
+        (engine_module, "sample"): clock.wrap("sampling", engine_module.sample),
+        (runner_module, "F"): _TimedFunctional(clock),
+    }
+    try:
+        for (owner, name), fn in wrapped.items():
+            setattr(owner, name, fn)
+        yield
+    finally:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+
+
+def _parts(spent: dict[str, float], step_s: float) -> dict[str, float]:
+    """Exclusive seconds per part of PARTS from the clock's inclusive ones."""
+    attention = spent["attention+gather"] - spent["kv gather"]
+    inside = spent["kv write"] + spent["kv gather"] + attention + spent["matmuls"]
+    forward = spent["forward"]
+    parts = {
+        "schedule": spent["schedule"],
+        "metadata": spent["metadata"],
+        "kv write": spent["kv write"],
+        "kv gather": spent["kv gather"],
+        "attention": attention,
+        "matmuls": spent["matmuls"],
+        "other forward": max(forward - inside, 0.0),
+        "sampling": spent["sampling"],
+    }
+    parts["bookkeeping"] = max(step_s - sum(parts.values()), 0.0)
+    return parts
+
+
+def profile_steps(
+    model: LoadedModel,
+    requests: list[Request],
+    config: EngineConfig,
+    ignore_eos: bool = True,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Serve `requests` on one engine, timing each part of every step.
+
+    Returns one row per step: step, phase, batch_seqs, tokens, context_tokens (K/V
+    tokens the step's sequences attend over), step_ms, and one `<part> ms` column per
+    part of PARTS (they sum to step_ms).
+    """
+    engine = Engine(model, config)
+    clock = _Clock()
+    rows = []
+    step = engine.step
+
+    schedule, batches = engine.scheduler.schedule, []
+
+    def schedule_and_keep(now):
+        batch = schedule(now)
+        if batch is not None:  # the context its rows attend over, counted before they run
+            batches.append(sum(seq.num_computed + n for seq, n in batch))
+        return batch
+
+    engine.scheduler.schedule = schedule_and_keep
+
+    def timed_step():
+        clock.spent.clear()
+        batches.clear()
+        start = time.perf_counter()
+        finished = step()
+        step_s = time.perf_counter() - start
+        if engine.telemetry.records and clock.spent["forward"] > 0:
+            record = engine.telemetry.records[-1]
+            parts = _parts(clock.spent, step_s)
+            rows.append(
+                {
+                    "step": record.step,
+                    "phase": record.phase,
+                    "batch_seqs": record.batch_seqs,
+                    "tokens": record.tokens,
+                    "context_tokens": batches[-1],
+                    "step_ms": 1e3 * step_s,
+                    **{f"{part} ms": 1e3 * parts[part] for part in PARTS},
+                }
+            )
+        return finished
+
+    engine.step = timed_step
+    try:
+        with _instrumented(engine, clock):
+            engine.run(requests, ignore_eos=ignore_eos, progress=progress)
+    finally:
+        del engine.step, engine.scheduler.schedule
+        engine.close()
+    return pd.DataFrame(rows)
+
+
+def parts_table(steps: pd.DataFrame, phase: str = "decode") -> pd.DataFrame:
+    """Mean ms per `phase` step of each part, and its share of the step (%)."""
+    chosen = steps[steps["phase"] == phase]
+    if chosen.empty:
+        raise ValueError(f"no {phase} steps in the profile (phases: {set(steps['phase'])})")
+    ms = pd.Series({part: chosen[f"{part} ms"].mean() for part in PARTS})
+    table = pd.DataFrame({"ms per step": ms, "share %": 100 * ms / ms.sum()})
+    table.loc["step"] = [chosen["step_ms"].mean(), 100.0]
+    return table
+
+
+# --- the floor ---------------------------------------------------------------------
+@dataclass
+class MachineRates:
+    """What this machine reaches in torch: copy bandwidth and matmul rate."""
+
+    bandwidth_gb_s: float  # bytes read + written per second by a large copy, / 1e9
+    matmul_gflop_s: float  # 2 n^3 / seconds of an n x n matmul, / 1e9
+    dtype: str
+    threads: int
+
+    @classmethod
+    def measure(
+        cls, dtype: torch.dtype = torch.float32, mib: int = 256, n: int = 1024, repeats: int = 5
+    ) -> MachineRates:
+        """The best of `repeats` timings of a `mib` MiB copy and an n x n matmul."""
+        source = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+        target = torch.empty_like(source)
+        copy_s = _best(lambda: target.copy_(source), repeats)
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        matmul_s = _best(lambda: a @ b, repeats)
+        return cls(
+            bandwidth_gb_s=2 * source.nbytes / copy_s / 1e9,
+            matmul_gflop_s=2 * n**3 / matmul_s / 1e9,
+            dtype=str(dtype).removeprefix("torch."),
+            threads=torch.get_num_threads(),
+        )
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@dataclass
+class DecodeFloor:
+    """The least time a mean decode step of the profile can take on this machine."""
+
+    batch_seqs: float  # mean sequences per decode step
+    weight_bytes: int  # every linear weight, read once per step
+    kv_bytes: float  # mean K/V bytes of the context read per step
+    gflop: float  # mean FLOPs per step / 1e9
+    bandwidth_ms: float  # (weight + kv bytes) / bandwidth
+    compute_ms: float  # FLOPs / matmul rate
+    rates: MachineRates
+
+    @property
+    def floor_ms(self) -> float:
+        return max(self.bandwidth_ms, self.compute_ms)
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"floor_ms": self.floor_ms}
+
+
+def decode_floor(
+    model: LoadedModel, steps: pd.DataFrame, rates: MachineRates | None = None
+) -> DecodeFloor:
+    """The decode floor of `steps` (profile_steps' decode rows) on this machine."""
+    from kvlab.cache.codecs import CODECS
+    from kvlab.model.runner import ModelRunner
+
+    decode = steps[steps["phase"] == "decode"]
+    if decode.empty:
+        raise ValueError("no decode steps in the profile")
+    runner = ModelRunner(model.hf_model)
+    rates = rates or MachineRates.measure(runner.dtype)
+    linear = [runner.lm_head] + [
+        w for layer in runner.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    weight_bytes = sum(w.numel() * w.element_size() for w in linear)
+    weight_params = sum(w.numel() for w in linear)
+    token_bytes = CODECS[None].token_bytes(runner.kv_spec, runner.dtype)  # every layer, K + V
+    batch, context = decode["batch_seqs"].mean(), decode["context_tokens"].mean()
+    kv_bytes = context * token_bytes
+    spec = runner.kv_spec
+    # QK^T and PV: 2 FLOPs per multiply-add, per query head, per context token, per layer.
+    attention_flop = 4 * context * runner.num_heads * spec.head_dim * spec.num_layers
+    flop = 2 * batch * weight_params + attention_flop
+    return DecodeFloor(
+        batch_seqs=float(batch),
+        weight_bytes=weight_bytes,
+        kv_bytes=float(kv_bytes),
+        gflop=flop / 1e9,
+        bandwidth_ms=1e3 * (weight_bytes + kv_bytes) / (rates.bandwidth_gb_s * 1e9),
+        compute_ms=1e3 * flop / (rates.matmul_gflop_s * 1e9),
+        rates=rates,
+    )
