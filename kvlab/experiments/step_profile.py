@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
 from kvlab.config import EngineConfig
 from kvlab.engine.engine import Engine
@@ -69,21 +68,10 @@ class _Clock:
         return timed
 
 
-class _TimedFunctional:
-    """torch.nn.functional with `linear` timed (the runner's matmuls), all else as is."""
-
-    def __init__(self, clock: _Clock) -> None:
-        self.linear = clock.wrap("matmuls", F.linear)
-
-    def __getattr__(self, name: str):
-        return getattr(F, name)
-
-
 @contextmanager
 def _instrumented(engine: Engine, clock: _Clock):
     """Wrap the parts of `engine`'s step with `clock`; unwrap on exit."""
     import kvlab.engine.engine as engine_module
-    import kvlab.model.runner as runner_module
 
     runner, pool, scheduler = engine.runner, engine.cache.pool, engine.scheduler
     saved = {
@@ -92,9 +80,9 @@ def _instrumented(engine: Engine, clock: _Clock):
         (pool, "gather"): pool.gather,
         (runner, "attention_fn"): runner.attention_fn,
         (runner, "forward"): runner.forward,
+        (runner, "linear"): runner.linear,
         (engine_module, "build_attention_metadata"): engine_module.build_attention_metadata,
         (engine_module, "sample"): engine_module.sample,
-        (runner_module, "F"): runner_module.F,
     }
     wrapped = {
         (scheduler, "schedule"): clock.wrap("schedule", scheduler.schedule),
@@ -102,11 +90,11 @@ def _instrumented(engine: Engine, clock: _Clock):
         (pool, "gather"): clock.wrap("kv gather", pool.gather),
         (runner, "attention_fn"): clock.wrap("attention+gather", runner.attention_fn),
         (runner, "forward"): clock.wrap("forward", runner.forward),
+        (runner, "linear"): clock.wrap("matmuls", runner.linear),
         (engine_module, "build_attention_metadata"): clock.wrap(
             "metadata", engine_module.build_attention_metadata
         ),
         (engine_module, "sample"): clock.wrap("sampling", engine_module.sample),
-        (runner_module, "F"): _TimedFunctional(clock),
     }
     try:
         for (owner, name), fn in wrapped.items():

@@ -23,16 +23,25 @@ def pooled_attention(
     heads, head_dim = q.shape[1:]
     for group in meta.groups:
         k, v = pool.gather(layer, group.slots)  # (G, S, kv_heads, head_dim)
-        count = group.slots.shape[0]
+        count, kv_heads = group.slots.shape[0], k.shape[2]
         grouped_q = q[group.rows].view(count, -1, heads, head_dim)  # (G, Q, heads, head_dim)
+        fold = grouped_q.shape[1] == 1 and group.mask is not None  # decodes
+        if fold:  # the query heads sharing a KV head become its query rows, so each KV
+            # head is read once: (G, kv_heads, heads / kv_heads, head_dim)
+            grouped_q = grouped_q.view(count, kv_heads, heads // kv_heads, head_dim)
+        else:
+            grouped_q = grouped_q.transpose(1, 2)  # (G, heads, Q, head_dim)
         attended = F.scaled_dot_product_attention(
-            grouped_q.transpose(1, 2),  # (G, heads, Q, head_dim)
+            grouped_q,
             k.to(q.dtype).transpose(1, 2),  # (G, kv_heads, S, head_dim)
             v.to(q.dtype).transpose(1, 2),
-            attn_mask=group.mask,
+            attn_mask=group.mask,  # (G, 1, Q, S): broadcast over heads (and folded rows)
             is_causal=group.mask is None,
             scale=scale,
-            enable_gqa=True,
+            enable_gqa=not fold,
         )
-        out[group.rows] = attended.transpose(1, 2).reshape(-1, heads, head_dim)
+        if fold:
+            out[group.rows] = attended.reshape(count, heads, head_dim)
+        else:
+            out[group.rows] = attended.transpose(1, 2).reshape(-1, heads, head_dim)
     return out

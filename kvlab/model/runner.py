@@ -3,8 +3,9 @@
 Embedding -> N x [RMSNorm -> QKV (+bias for Qwen2) -> RoPE -> GQA attention over the
 pool -> O proj -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head
 (tied to the embedding when the model ties them). Weights are the transformers model's
-own tensors; Q/K/V and gate/up projections are fused into one matmul each (fused once
-per model and shared by every runner: an engine costs no weight copy).
+own tensors; Q/K/V and gate/up projections are fused into one matmul each, and on the
+CPU every linear weight is packed for oneDNN (kvlab.model.linear). Both are done once
+per model and shared by every runner: an engine costs no weight copy.
 
 All tokens of a step, from every running sequence, are packed into one (T, hidden)
 matrix, so each linear layer runs once per step for the whole batch.
@@ -22,10 +23,12 @@ import torch.nn.functional as F
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention
+from kvlab.model.linear import Linears
 from kvlab.model.metadata import AttentionMetadata
 
 AttentionFn = Callable[[torch.Tensor, int, KVPool, AttentionMetadata, float], torch.Tensor]
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf model -> LayerWeights
+# hf model -> (its LayerWeights, its Linears)
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -81,10 +84,18 @@ class ModelRunner:
         self.inv_freq = base.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         fused = _FUSED.get(hf_model)
-        if fused is None or fused[0].qkv.device != self.embed.device:  # first, or moved
-            fused = _FUSED[hf_model] = [self._layer_weights(layer) for layer in base.layers]
-        self.layers = fused
+        if fused is None or fused[0][0].qkv.device != self.embed.device:  # first, or moved
+            layers = [self._layer_weights(layer) for layer in base.layers]
+            fused = _FUSED[hf_model] = layers, self.pack(layers)
+        self.layers, self.linear = fused
         self.device, self.dtype = self.embed.device, self.embed.dtype
+
+    def pack(self, layers: list[LayerWeights]) -> Linears:
+        """The matmuls over `layers`' weights and the LM head (kvlab.model.linear)."""
+        weights = [self.lm_head]
+        for w in layers:
+            weights += [w.qkv, w.o, w.gate_up, w.down]
+        return Linears(weights)
 
     @staticmethod
     def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
@@ -135,7 +146,7 @@ class ModelRunner:
         n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for index, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, self.eps)
-            q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
+            q, k, v = self.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -143,12 +154,12 @@ class ModelRunner:
             k = k * cos + rotate_half(k) * sin
             pool.write(index, meta.slot_mapping, k, v)
             attn = self.attention_fn(q, index, pool, meta, self.scale)  # (T, heads, head_dim)
-            h = h + self.reduce(F.linear(attn.reshape(-1, n_q), w.o))
+            h = h + self.reduce(self.linear(attn.reshape(-1, n_q), w.o))
             x = rms_norm(h, w.post_norm, self.eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + self.reduce(F.linear(F.silu(gate) * up, w.down))
+            gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + self.reduce(self.linear(F.silu(gate) * up, w.down))
         if logits_at is not None:
             h = h[logits_at]  # (R, hidden)
         elif not all_logits:
             h = h[meta.last_token_index]  # (B, hidden)
-        return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head).float()
+        return self.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head).float()

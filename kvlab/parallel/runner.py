@@ -28,6 +28,7 @@ class ShardedRunner(ModelRunner):
         self.layers = [
             shard_layer(w, rank, tp, heads, kv_heads, self.head_dim) for w in self.layers
         ]
+        self.linear = self.pack(self.layers)
         self.num_heads = heads // tp
         self.num_kv_heads = kv_heads_per_rank(tp, kv_heads)
         self.kv_spec = KVSpec(len(self.layers), self.num_kv_heads, self.head_dim)
