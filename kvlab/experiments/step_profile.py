@@ -52,10 +52,12 @@ PARTS = (
 
 
 class _Clock:
-    """Seconds spent inside each wrapped part during the current step."""
+    """Seconds spent inside each wrapped part during the current step, and the context
+    the step's batch attends over."""
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = defaultdict(float)
+        self.context_tokens = 0
 
     def wrap(self, part: str, fn):
         def timed(*args, **kwargs):
@@ -67,38 +69,40 @@ class _Clock:
 
         return timed
 
+    def schedule(self, fn):
+        """`fn` (the scheduler's schedule) timed, counting its batch's context before the
+        batch runs: each row's computed tokens plus the ones it computes now."""
+        timed = self.wrap("schedule", fn)
+
+        def schedule(now):
+            batch = timed(now)
+            if batch is not None:
+                self.context_tokens = sum(seq.num_computed + n for seq, n in batch)
+            return batch
+
+        return schedule
+
 
 @contextmanager
 def _instrumented(engine: Engine, clock: _Clock):
     """Wrap the parts of `engine`'s step with `clock`; unwrap on exit."""
     import kvlab.engine.engine as engine_module
 
-    runner, pool, scheduler = engine.runner, engine.cache.pool, engine.scheduler
-    saved = {
-        (scheduler, "schedule"): scheduler.schedule,
-        (pool, "write"): pool.write,
-        (pool, "gather"): pool.gather,
-        (runner, "attention_fn"): runner.attention_fn,
-        (runner, "forward"): runner.forward,
-        (runner, "linear"): runner.linear,
-        (engine_module, "build_attention_metadata"): engine_module.build_attention_metadata,
-        (engine_module, "sample"): engine_module.sample,
+    runner, pool = engine.runner, engine.cache.pool
+    parts = {  # (owner, attribute) -> the part its time counts towards
+        (pool, "write"): "kv write",
+        (pool, "gather"): "kv gather",
+        (runner, "attention_fn"): "attention+gather",
+        (runner, "forward"): "forward",
+        (runner, "linear"): "matmuls",
+        (engine_module, "build_attention_metadata"): "metadata",
+        (engine_module, "sample"): "sampling",
     }
-    wrapped = {
-        (scheduler, "schedule"): clock.wrap("schedule", scheduler.schedule),
-        (pool, "write"): clock.wrap("kv write", pool.write),
-        (pool, "gather"): clock.wrap("kv gather", pool.gather),
-        (runner, "attention_fn"): clock.wrap("attention+gather", runner.attention_fn),
-        (runner, "forward"): clock.wrap("forward", runner.forward),
-        (runner, "linear"): clock.wrap("matmuls", runner.linear),
-        (engine_module, "build_attention_metadata"): clock.wrap(
-            "metadata", engine_module.build_attention_metadata
-        ),
-        (engine_module, "sample"): clock.wrap("sampling", engine_module.sample),
-    }
+    saved = {key: getattr(*key) for key in [*parts, (engine.scheduler, "schedule")]}
     try:
-        for (owner, name), fn in wrapped.items():
-            setattr(owner, name, fn)
+        for (owner, name), part in parts.items():
+            setattr(owner, name, clock.wrap(part, getattr(owner, name)))
+        engine.scheduler.schedule = clock.schedule(engine.scheduler.schedule)
         yield
     finally:
         for (owner, name), fn in saved.items():
@@ -142,19 +146,8 @@ def profile_steps(
     rows = []
     step = engine.step
 
-    schedule, batches = engine.scheduler.schedule, []
-
-    def schedule_and_keep(now):
-        batch = schedule(now)
-        if batch is not None:  # the context its rows attend over, counted before they run
-            batches.append(sum(seq.num_computed + n for seq, n in batch))
-        return batch
-
-    engine.scheduler.schedule = schedule_and_keep
-
     def timed_step():
         clock.spent.clear()
-        batches.clear()
         start = time.perf_counter()
         finished = step()
         step_s = time.perf_counter() - start
@@ -167,7 +160,7 @@ def profile_steps(
                     "phase": record.phase,
                     "batch_seqs": record.batch_seqs,
                     "tokens": record.tokens,
-                    "context_tokens": batches[-1],
+                    "context_tokens": clock.context_tokens,
                     "step_ms": 1e3 * step_s,
                     **{f"{part} ms": 1e3 * parts[part] for part in PARTS},
                 }
@@ -179,7 +172,7 @@ def profile_steps(
         with _instrumented(engine, clock):
             engine.run(requests, ignore_eos=ignore_eos, progress=progress)
     finally:
-        del engine.step, engine.scheduler.schedule
+        del engine.step
         engine.close()
     return pd.DataFrame(rows)
 
