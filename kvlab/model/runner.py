@@ -27,8 +27,7 @@ from kvlab.model.linear import Linears
 from kvlab.model.metadata import AttentionMetadata
 
 AttentionFn = Callable[[torch.Tensor, int, KVPool, AttentionMetadata, float], torch.Tensor]
-# hf model -> (its LayerWeights, its Linears)
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf model -> FusedModel
 
 
 @dataclass
@@ -40,6 +39,15 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: torch.Tensor  # (2 * intermediate, hidden)
     down: torch.Tensor  # (hidden, intermediate)
+
+
+@dataclass
+class FusedModel:
+    """A model's fused layer weights, and its matmuls once first asked for; one per
+    model, shared by every runner of it."""
+
+    layers: list[LayerWeights]
+    linear: Linears | None = None
 
 
 def kv_spec_of(config) -> KVSpec:
@@ -84,11 +92,17 @@ class ModelRunner:
         self.inv_freq = base.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         fused = _FUSED.get(hf_model)
-        if fused is None or fused[0][0].qkv.device != self.embed.device:  # first, or moved
-            layers = [self._layer_weights(layer) for layer in base.layers]
-            fused = _FUSED[hf_model] = layers, self.pack(layers)
-        self.layers, self.linear = fused
+        if fused is None or fused.layers[0].qkv.device != self.embed.device:  # first, or moved
+            fused = _FUSED[hf_model] = FusedModel([self._layer_weights(x) for x in base.layers])
+        self.layers, self.linear = self._weights(fused)
         self.device, self.dtype = self.embed.device, self.embed.dtype
+
+    def _weights(self, fused: FusedModel) -> tuple[list[LayerWeights], Linears]:
+        """The layers this runner computes and their matmuls: the whole model's, the
+        matmuls packed on first use and shared."""
+        if fused.linear is None:
+            fused.linear = self.pack(fused.layers)
+        return fused.layers, fused.linear
 
     def pack(self, layers: list[LayerWeights]) -> Linears:
         """The matmuls over `layers`' weights and the LM head (kvlab.model.linear)."""

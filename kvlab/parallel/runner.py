@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
+from kvlab.model.linear import Linears
 from kvlab.model.metadata import AttentionMetadata
-from kvlab.model.runner import ModelRunner
+from kvlab.model.runner import FusedModel, LayerWeights, ModelRunner
 from kvlab.parallel.shard import check_tensor_parallel, kv_heads_per_rank, shard_layer
 
 
@@ -21,18 +22,22 @@ class ShardedRunner(ModelRunner):
     """
 
     def __init__(self, hf_model: torch.nn.Module, rank: int, tp: int, broadcast=None):
-        super().__init__(hf_model)
-        heads, kv_heads = self.num_heads, self.num_kv_heads
-        check_tensor_parallel(tp, heads, kv_heads)
         self.rank, self.tp, self.broadcast = rank, tp, broadcast
-        self.layers = [
-            shard_layer(w, rank, tp, heads, kv_heads, self.head_dim) for w in self.layers
-        ]
-        self.linear = self.pack(self.layers)
-        self.num_heads = heads // tp
-        self.num_kv_heads = kv_heads_per_rank(tp, kv_heads)
+        super().__init__(hf_model)  # slices the layers (`_weights`) with the model's heads
+        self.num_heads = self.num_heads // tp
+        self.num_kv_heads = kv_heads_per_rank(tp, self.num_kv_heads)
         self.kv_spec = KVSpec(len(self.layers), self.num_kv_heads, self.head_dim)
         self.all_reduces = 0  # collectives this rank has joined (2 per layer per forward)
+
+    def _weights(self, fused: FusedModel) -> tuple[list[LayerWeights], Linears]:
+        """This rank's slice of every layer, and matmuls over the slices only (the whole
+        model's are never packed here)."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads  # the whole model's, so far
+        check_tensor_parallel(self.tp, heads, kv_heads)
+        layers = [
+            shard_layer(w, self.rank, self.tp, heads, kv_heads, self.head_dim) for w in fused.layers
+        ]
+        return layers, self.pack(layers)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(partial)  # sum over ranks, in place
