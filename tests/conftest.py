@@ -2,15 +2,64 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import kvlab
-from kvlab import texts
+# Without CUDA, kvlab.kernels' Triton kernels run under Triton's interpreter, which is
+# chosen when triton is first imported: before any test module imports kvlab.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kvlab  # noqa: E402
+from kvlab import texts  # noqa: E402
 
 torch.manual_seed(0)
+
+# `make test` runs on every core with pytest-xdist (-n auto --dist loadgroup). Each worker
+# then computes on its share of the cores (one each on a 2-core machine), and so do the
+# notebook kernels, vLLM engines and tensor-parallel ranks it starts (OMP_NUM_THREADS).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
+    torch.set_num_threads(SHARE)
+    os.environ["OMP_NUM_THREADS"] = str(SHARE)
+
+# The longest units of work (pytest --durations), scheduled first so that no worker is
+# left with one of them at the end: every browser notebook, every notebook under nbval,
+# then these modules.
+LONG_MODULES = (
+    "test_serve_vllm_client.py",
+    "test_spec_vllm.py",
+    "test_vllm_oracle.py",
+    "test_engine_fuzz.py",
+    "test_scheduler.py",
+    "test_vllm_bench.py",
+    "test_labs.py",
+    "test_benchmarks.py",
+    "test_tensor_parallel.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Units of work for pytest-xdist's loadgroup: a test module, a notebook (nbval runs
+    its cells in order in one kernel) or one notebook of the browser test; long ones first."""
+
+    def rank(item) -> int:
+        if item.path.name == "test_browser.py":
+            return 0
+        if item.path.suffix == ".ipynb":
+            return 1
+        return 2 if item.path.name in LONG_MODULES else 3
+
+    for item in items:
+        browser = item.path.name == "test_browser.py"
+        group = item.nodeid if browser else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=rank)  # stable: a module's tests stay together, in order
 
 
 @pytest.fixture(scope="session")
