@@ -10,12 +10,14 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
     cache_write.py       KV write: scatter new K/V into their slots, quantizing to int8/fp8
     kv_codes.py          the codecs' bit layouts (kvlab.cache.codecs), in Triton and torch
     dispatch.py          Triton or torch
+    cpu_decode.py        paged decode attention on the CPU: native C (cpu_decode.c), ctypes
 
 This package imports only torch and triton, so it loads on a GPU machine without the rest
 of kvlab's dependencies.
 """
 
 from .cache_write import kv_write_ref
+from .cpu_decode import cpu_decode_available, cpu_paged_decode_attention
 from .decode_attention import auto_splits, paged_decode_attention_ref, walk
 from .dispatch import (
     choose_backend,
@@ -30,6 +32,8 @@ __all__ = [
     "SCALED",
     "auto_splits",
     "choose_backend",
+    "cpu_decode_available",
+    "cpu_paged_decode_attention",
     "decode_ref",
     "encode_ref",
     "kv_write",

@@ -1,11 +1,14 @@
-"""Pick the implementation: Triton on CUDA, the torch reference elsewhere.
+"""Pick the implementation: Triton on CUDA, native C on the CPU, the torch reference else.
 
     paged_decode_attention(..., backend=None)   kv_write(..., backend=None)
 
-`backend` None reads $KVLAB_KERNELS ("auto" if unset): "auto" is Triton for CUDA tensors
-and torch otherwise; "triton" forces the kernels (on CPU tensors they run under Triton's
-interpreter, numpy-backed and slow: tests and notebooks, on small shapes); "torch"
-forces the reference.
+`backend` None reads $KVLAB_KERNELS ("auto" if unset): "auto" is Triton for CUDA tensors,
+the native CPU decode kernel (cpu_decode.py) for CPU tensors where a C compiler built it,
+and torch otherwise; "triton" forces the Triton kernels (on CPU tensors they run under
+Triton's interpreter, numpy-backed and slow: tests and notebooks, on small shapes); "cpu"
+forces the native kernel; "torch" forces the reference. The CPU kernel reads float K/V
+(the model's dtype, fp16, bf16): scaled codecs (int8, fp8) and every KV write take the
+torch reference on the CPU.
 
 Triton decides when it is imported whether @triton.jit functions (its own included) are
 compiled or interpreted, by TRITON_INTERPRET: to run the kernels on CPU tensors, set
@@ -19,7 +22,10 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+from .cpu_decode import cpu_decode_available, cpu_decode_error, cpu_paged_decode_attention
+
+BACKENDS = ("auto", "triton", "cpu", "torch")
+CPU_CODECS = (None, "fp16", "bf16")  # the stored floats the native CPU kernel reads
 ENV = "KVLAB_KERNELS"
 
 
@@ -28,15 +34,21 @@ def triton_available() -> bool:
 
 
 def choose_backend(device: torch.device | str, backend: str | None = None) -> str:
-    """ "triton" or "torch" for tensors on `device` (see the module docstring)."""
+    """ "triton", "cpu" or "torch" for tensors on `device` (see the module docstring)."""
     choice = backend or os.environ.get(ENV, "auto")
     if choice not in BACKENDS:
         where = f"${ENV}" if backend is None else "backend"
         raise ValueError(f"{where}={choice!r} is unknown; choose one of {BACKENDS}")
+    kind = torch.device(device).type
     if choice == "auto":
-        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+        if kind == "cuda" and triton_available():
+            return "triton"
+        return "cpu" if kind == "cpu" and cpu_decode_available() else "torch"
     if choice == "triton" and not triton_available():
         raise ValueError("backend 'triton' needs the triton package: pip install triton")
+    if choice == "cpu" and not (kind == "cpu" and cpu_decode_available()):
+        why = cpu_decode_error() if kind == "cpu" else f"tensors on {kind}, not the CPU"
+        raise ValueError(f"backend 'cpu' (the native CPU kernel) cannot run: {why}")
     return choice
 
 
@@ -86,7 +98,13 @@ def paged_decode_attention(
     """
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, block_size)
     args += (k_scale, v_scale, kv_codec, num_splits)
-    if choose_backend(q.device, backend) == "torch":
+    choice = choose_backend(q.device, backend)
+    if choice == "cpu" and kv_codec in CPU_CODECS:  # float K/V: read in place
+        span = torch.arange(block_tables.shape[1] * block_size)  # (S,) positions
+        slots = block_tables.long()[:, span // block_size] * block_size + span % block_size
+        flat = (c.flatten(0, 1) if c.dim() == 4 else c for c in (k_cache, v_cache))
+        return cpu_paged_decode_attention(q, *flat, slots, context_lens.long(), scale)
+    if choice in ("torch", "cpu"):
         from .decode_attention import paged_decode_attention_ref
 
         return paged_decode_attention_ref(*args)
@@ -107,7 +125,7 @@ def kv_write(
 ) -> None:
     """Scatter (and quantize) new K/V into their slots. See kvlab.kernels.cache_write."""
     args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, kv_codec)
-    if choose_backend(k.device, backend) == "torch":
+    if choose_backend(k.device, backend) in ("torch", "cpu"):  # no native CPU write
         from .cache_write import kv_write_ref
 
         return kv_write_ref(*args)

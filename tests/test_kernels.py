@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     choose_backend,
+    cpu_decode_available,
     kv_write,
     kv_write_ref,
     kv_write_triton,
@@ -46,6 +47,8 @@ from kvlab.model.attention import pooled_attention  # noqa: E402
 from kvlab.model.kernel_attention import KernelAttention, kernel_write, pool_layer  # noqa: E402
 from kvlab.model.metadata import build_attention_metadata  # noqa: E402
 from kvlab.units import ceil_div  # noqa: E402
+
+BACKENDS = ("torch", "triton") + (("cpu",) if cpu_decode_available() else ())
 
 CODECS = (None, "int8", "fp8_e4m3", "fp8_e5m2")
 FLOAT_CODECS = (None, "fp16", "bf16")
@@ -235,8 +238,9 @@ def test_reference_equals_pooled_attention_on_a_paged_pool():
             block_size=block_size,
         )
         torch.testing.assert_close(ref, expected, **TOL)
-        # The adapter reads the same block tables off the metadata.
-        for backend in ("torch", "triton"):
+        # The adapter reads the same block tables (the native CPU kernel: the slots) off
+        # the metadata.
+        for backend in BACKENDS:
             attn = KernelAttention(block_size, backend=backend)
             torch.testing.assert_close(attn(q, 0, pool, meta, 0.25), expected, **TOL)
             assert attn.decode_calls == 1
@@ -258,10 +262,11 @@ def test_adapter_leaves_prefill_and_other_codecs_to_torch():
     assert attn.decode_calls == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS[1:])
 @pytest.mark.parametrize("kv_codec", [None, "int8"])
-def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_codec):
+def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_codec, backend):
     """A tiny random Llama: the engine's greedy tokens with Triton decode (interpreted)
-    and Triton KV writes are the torch path's."""
+    or the native CPU kernel are the torch path's."""
     prompts = [[1, 520, 9531, 198, 4093], [1, 2683, 359, 253, 5356, 5646, 11173]]
     params = kvlab.SamplingParams(max_new_tokens=5, ignore_eos=True)
     outputs = {}
@@ -271,7 +276,7 @@ def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_codec
             kvlab.EngineConfig(cache="paged", block_size=4, kv_budget_tokens=64, kv_codec=kv_codec),
         )
         if path == "kernels":
-            attn = KernelAttention(engine.cache.block_size, backend="triton")
+            attn = KernelAttention(engine.cache.block_size, backend=backend)
             engine.runner.attention_fn = attn
         outputs[path] = [o.token_ids for o in engine.generate(prompts, params)]
     assert attn.decode_calls == 4 * 2  # 4 decode steps x 2 layers
@@ -292,7 +297,7 @@ def test_kernel_write_goes_through_the_pool_layout():
 
 def test_dispatch(monkeypatch):
     monkeypatch.delenv("KVLAB_KERNELS", raising=False)
-    assert choose_backend("cpu") == "torch"
+    assert choose_backend("cpu") == ("cpu" if cpu_decode_available() else "torch")
     assert choose_backend("cuda") == "triton"
     assert choose_backend("cpu", "triton") == "triton"
     monkeypatch.setenv("KVLAB_KERNELS", "torch")

@@ -4,9 +4,10 @@ A name is a cache kind followed by "+"-separated options: a prefix index ("hash"
 or "prefix" for hash, as vLLM), a KV codec ("int8", "kivi2", ...), "chunked" (chunked
 prefill), "watermark" (watermark admission, with preemption: the paged default, spelled
 out), "reserve" (reserve admission: worst case promised, never preempts), "swap" (swap
-preemption),
-"static" (static batching) and "bsN" (block size N). Cache kinds, prefix indexes and codecs
-come from their registries, so a newly registered one is a valid option at once.
+preemption), "static" (static batching), "kernels" (decode attention through
+kvlab.kernels: Triton on CUDA, the native C kernel on the CPU) and "bsN" (block size N).
+Cache kinds, prefix indexes and codecs come from their registries, so a newly registered
+one is a valid option at once.
 
 The budget helpers turn "64MiB", "200MB", a byte count or "4096tok" into bytes.
 """
@@ -32,6 +33,7 @@ FLAGS: dict[str, dict[str, object]] = {
     "reserve": {"admission": "reserve"},
     "swap": {"preemption": "swap"},
     "static": {"batching": "static"},
+    "kernels": {"attention": "kernels"},
 }
 
 

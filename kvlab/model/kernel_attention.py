@@ -7,6 +7,9 @@ K/V to the pool. KernelAttention sends a pure decode step (one new token per seq
 over a codec the kernels know (the model's dtype, fp16, bf16, int8, fp8) to
 `kvlab.kernels.paged_decode_attention`, which reads the pool's storage in place through
 the block table; prefill steps, mixed steps and int4/kivi2 stay on `pooled_attention`.
+On the CPU, with float K/V and the native kernel built, every step goes to
+`kvlab.model.cpu_attention` instead: decodes through the native kernel, prompts after
+cached tokens in two flash calls.
 
 `kernel_write` is the same split for writes: `pool.write` through the Triton KV-write
 kernel where it applies (no NaN/inf check, unlike the codec's torch path).
@@ -23,6 +26,7 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.model.attention import pooled_attention
+from kvlab.model.cpu_attention import CPU_CODECS, cpu_attention
 from kvlab.model.metadata import AttentionMetadata
 
 KERNEL_CODECS = (None, "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -47,8 +51,9 @@ def block_tables_from(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
 class KernelAttention:
     """An attention_fn for ModelRunner that runs decode steps through the kernels.
 
-    backend: None (Triton on CUDA, torch reference elsewhere; $KVLAB_KERNELS overrides),
-    "triton" or "torch". num_splits: None chooses split-K automatically.
+    backend: None (Triton on CUDA, the native C kernel on the CPU where it built, else the
+    torch reference; $KVLAB_KERNELS overrides), "triton", "cpu" or "torch". num_splits:
+    None chooses split-K automatically.
     """
 
     def __init__(
@@ -61,6 +66,15 @@ class KernelAttention:
         self.backend, self.num_splits = backend, num_splits
         self.decode_calls = 0  # layers that went through the kernels (for tests / notebooks)
         self._step: tuple | None = None  # (meta, block tables, context lens) of this step
+        self._backend: str | None = None  # chosen on the first call
+
+    def _choose(self, device: torch.device) -> str:
+        """The backend for this runner's tensors (kvlab.kernels.choose_backend), once."""
+        if self._backend is None:
+            from kvlab.kernels import choose_backend  # imports triton: only when used
+
+            self._backend = choose_backend(device, self.backend)
+        return self._backend
 
     def handles(self, pool: KVPool, meta: AttentionMetadata) -> bool:
         """A decode step (one query row per sequence) over a codec the kernels read."""
@@ -69,6 +83,9 @@ class KernelAttention:
     def __call__(
         self, q: torch.Tensor, layer: int, pool: KVPool, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if self._choose(q.device) == "cpu" and pool.kv_codec in CPU_CODECS:  # every step
+            self.decode_calls += self.handles(pool, meta)
+            return cpu_attention(q, layer, pool, meta, scale)
         if not self.handles(pool, meta):
             return pooled_attention(q, layer, pool, meta, scale)
         from kvlab.kernels import paged_decode_attention  # imports triton: only when used

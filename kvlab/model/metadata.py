@@ -21,6 +21,7 @@ class AttentionGroup:
     rows: torch.Tensor | slice  # the group's G * Q rows in T, sequence by sequence
     slots: torch.Tensor  # (G, S) pool slots of the context (padded as context_slots)
     mask: torch.Tensor | None  # (G, 1, Q, S) True = may attend; None = plain causal, Q == S
+    lens: torch.Tensor | None = None  # (G,) int64 context of each decode; None for a prompt
 
 
 @dataclass
@@ -117,6 +118,7 @@ def _groups(
                 rows=torch.tensor([first_rows[b] for b in batch], device=device),
                 slots=context_slots[batch, :width].to(device),
                 mask=visible[:, None, None, :].to(device),  # (G, 1, 1, S)
+                lens=lens.to(device),
             )
         )
     for b, n in enumerate(query_lens):

@@ -60,12 +60,14 @@ def build_retained_metadata(
     decodes = [b for b, n in enumerate(query_lens) if n == 1]
     for members in _similar_lengths(decodes, lens):
         size = lens[members[0]]
-        visible = torch.arange(size)[None, :] < torch.tensor([lens[b] for b in members])[:, None]
+        kept_lens = torch.tensor([lens[b] for b in members])  # (G,)
+        visible = torch.arange(size)[None, :] < kept_lens[:, None]
         groups.append(
             AttentionGroup(
                 rows=torch.tensor([first_rows[b] for b in members], device=device),
                 slots=context_slots[members, :size].to(device),
                 mask=visible[:, None, None, :].to(device),  # (G, 1, 1, S)
+                lens=kept_lens.to(device),
             )
         )
     for b, n in enumerate(query_lens):

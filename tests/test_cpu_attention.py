@@ -1,0 +1,96 @@
+"""KernelAttention's CPU path (kvlab.model.cpu_attention) equals the torch reference.
+
+Every kind of group on one paged pool with scrambled blocks, NaN in every slot no context
+owns: decodes, a whole prompt, a prompt behind a short cached prefix (split in two flash
+calls), one behind a long prefix (the reference's masked call), all in one mixed step;
+the same with a retention policy's dropped blocks; and the real model's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvlab.kernels import cpu_decode_available
+
+import kvlab
+from kvlab.cache.pool import KVPool
+from kvlab.cache.retention.base import DROPPED
+from kvlab.cache.spec import KVSpec
+from kvlab.model.attention import pooled_attention
+from kvlab.model.cpu_attention import cpu_attention
+from kvlab.model.metadata import build_attention_metadata
+
+pytestmark = pytest.mark.skipif(
+    not cpu_decode_available(), reason="the native CPU kernel did not build (no C compiler?)"
+)
+BLOCK = 4
+# (cached tokens, new tokens, block table): decodes, a whole prompt, a prompt behind a
+# short prefix (Q > P: split), one behind a long prefix (Q < P: one masked call).
+STEP = [
+    (10, 1, [5, 2, 7]),
+    (3, 1, [1]),
+    (0, 7, [11, 0]),
+    (4, 9, [9, 3, 12, 4]),
+    (12, 3, [6, 13, 8, 10]),
+]
+
+
+def _pool(dtype: torch.dtype, codec=None) -> tuple[KVPool, torch.Generator]:
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(KVSpec(1, 2, 16), 16 * BLOCK, dtype, torch.device("cpu"), codec)
+    every = torch.arange(pool.num_slots)
+    k, v = (torch.randn(pool.num_slots, 2, 16, generator=g).to(dtype) for _ in range(2))
+    pool.write(0, every, k, v)
+    return pool, g
+
+
+def _check(step, dtype, tol, codec=None):
+    pool, g = _pool(dtype, codec)
+    meta = build_attention_metadata(
+        [s for s, _, _ in step], [n for _, n, _ in step], [t for *_, t in step], BLOCK, "cpu"
+    )
+    used = meta.context_slots.unique()
+    unused = torch.ones(pool.num_slots, dtype=torch.bool)
+    unused[used] = False
+    pool.poison(unused.nonzero()[:, 0])  # NaN wherever no context reads
+    q = torch.randn(int(meta.positions.shape[0]), 6, 16, generator=g).to(dtype)
+    expected = pooled_attention(q, 0, pool, meta, 0.25)
+    got = cpu_attention(q, 0, pool, meta, 0.25)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize(
+    "dtype, codec, tol",
+    [
+        (torch.float32, None, dict(atol=2e-5, rtol=2e-5)),
+        (torch.bfloat16, None, dict(atol=2e-2, rtol=2e-2)),
+        (torch.float32, "bf16", dict(atol=2e-2, rtol=2e-2)),
+    ],
+)
+def test_every_group_kind_in_one_mixed_step(dtype, codec, tol):
+    _check(STEP, dtype, tol, codec)
+
+
+def test_dropped_blocks_of_a_retention_policy():
+    step = [(12, 1, [5, DROPPED, 7, 2]), (8, 6, [9, DROPPED, 3, 12])]
+    _check(step, torch.float32, dict(atol=2e-5, rtol=2e-5))
+
+
+def test_real_model_greedy_tokens_equal_the_torch_path(model):
+    """Prefix hits (a shared system prompt), chunked prefill and decodes, mixed in steps:
+    the kernels config gives the torch path's greedy tokens."""
+    prompts = kvlab.texts.chat_prompts()[:6]
+    params = kvlab.SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outputs = {}
+    for attention in ("torch", "kernels"):
+        config = kvlab.EngineConfig(
+            cache="paged",
+            prefix_caching="hash",
+            chunked_prefill=True,
+            max_num_batched_tokens=48,
+            attention=attention,
+        )
+        engine = kvlab.Engine(model, config)
+        outputs[attention] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outputs["kernels"] == outputs["torch"]
