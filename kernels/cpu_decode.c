@@ -1,25 +1,42 @@
 /* Paged decode attention on the CPU: K/V read in place from the KV pool through slots.
  *
- * Plain C, no torch headers: kernels/cpu_decode.py compiles it once per machine with
+ * Plain C (GNU vector extensions, no torch headers): kernels/cpu_decode.py compiles it
+ * once per machine with
  *     cc -O3 -march=native -shared -fPIC -pthread
  * and calls kvlab_paged_decode through ctypes.
  *
- * One task is one (sequence b, kv head kvh): it serves the g = heads / kv_heads query
- * heads that share kvh, so each K row and each V row of the context is read once.
- *   1. scores s[r][j] = scale * q_r . k_j for the g query rows r and positions j < len,
- *      k_j being the row of slot slots[b][j] (positions >= len are never read);
+ * One task is one chunk of CHUNK positions of one sequence b, for all its heads: a slot's
+ * K for every kv head (kv_heads * head_dim values) lies in one contiguous record, and so
+ * does its V, so each task reads its K records, then its V records, front to back, and
+ * every K and V value is loaded from memory once and used for the g = heads / kv_heads
+ * query heads that share its kv head.
+ *   1. scores s[h][j] = scale * q_h . k_j for every query head h and position j of the
+ *      chunk, k_j being the record of slot slots[b][j] (positions >= len are never read);
  *   2. softmax of each score row in fp32: subtract its max, exp, sum;
- *   3. acc[r] = sum_j p[r][j] v_j in fp32, then out_r = acc[r] / sum[r] in q's dtype
- *      (bf16 rounds to nearest even).
- * Speed: decode is memory-bound, so the loops are shaped for gcc's vectoriser without
- * -ffast-math. Dot products accumulate into a fixed-size float array (LANES wide); the V
- * pass adds TILE rows into each accumulator element before storing it; K/V elements are
- * converted (bf16, fp16) as they are loaded, never copied; exp is a range-reduced
- * polynomial (~1 ulp), branch-free; rows PREFETCH_AHEAD positions ahead are prefetched
- * (slots are scattered, so the hardware prefetcher cannot guess them). head_dim 64, 96,
- * 128 and 256 get their own fully unrolled copies. The B * kv_heads tasks are split over
- * pthreads (not OpenMP: torch brings its own runtime) in contiguous ranges of about
- * equal context length.
+ *   3. acc[h] = sum_j p[h][j] v_j in fp32.
+ * A sequence of one chunk writes out_h = acc[h] / sum[h] in q's dtype (bf16 rounds to
+ * nearest even). A longer one leaves each chunk's (max, sum, acc) behind, and once every
+ * task is done they are merged in chunk order (log-sum-exp: scale each chunk by
+ * e^(max_c - max)). Chunks depend only on the lengths, never on the thread count, so the
+ * result is the same bits for any number of threads.
+ *
+ * Speed: decode is memory-bound. Values are 16-float vectors (GNU vector_size; gcc splits
+ * them where the CPU is narrower) and K/V elements are widened (bf16, fp16) as they are
+ * loaded, never copied. The score pass takes TILE positions at a time: for each query head
+ * it accumulates TILE dot-product vectors, then sums all TILE of them at once with a tree
+ * of two-vector shuffles (4 levels), which costs far less than one horizontal sum per dot
+ * product. The value pass adds TILE rows into each accumulator vector before storing it.
+ * exp is a range-reduced polynomial (~1 ulp), branch-free. Records PREFETCH_AHEAD
+ * positions ahead are prefetched into L2 (blocks are scattered, so the hardware prefetcher
+ * cannot guess where the next one starts; prefetching into L1 would evict the tile in
+ * use). head_dim 64, 96, 128 and 256 get their own fully unrolled copies.
+ *
+ * Threads: tasks are handed out from a shared atomic counter, so a thread that something
+ * else slows down simply takes fewer of them. The calling thread works alongside helper
+ * pthreads (not OpenMP: torch brings its own runtime) that are started on first need and
+ * then sleep on a condition variable between calls, never spinning. A woken sleeper gets
+ * the core sooner than a newly created thread, which matters because torch's OpenMP
+ * threads keep spinning for a while after each matmul.
  *
  * Dtypes: 0 float32, 1 bfloat16, 2 float16 (where the compiler has _Float16).
  * Returns 0, or a KVLAB_E* code.
@@ -39,19 +56,33 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KVLAB_OK = 0, KVLAB_EARG = 1, KVLAB_ELEN = 2, KVLAB_ESLOT = 3, KVLAB_ENOMEM = 4 };
 
-#define LANES 16            /* width of the accumulator arrays (lane_sum assumes 16) */
+#define V 16                /* floats per vector */
+#define TILE 16             /* positions per step of both passes (the reduction needs 16) */
+#define CHUNK 256           /* positions per task; a multiple of TILE */
 #define MAX_HEAD_DIM 1024
 #define MAX_HEADS 4096
 #define MAX_THREADS 256
-#define TASK_OVERHEAD 16    /* a task's fixed cost, in context positions, for the split */
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
-#define PREFETCH_AHEAD 8    /* positions ahead whose K/V rows are prefetched */
-#define TILE 8              /* positions per step of the value pass */
+#define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L2) */
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #else
 #define ALWAYS_INLINE inline
+#endif
+
+typedef float vf __attribute__((vector_size(V * 4)));
+typedef int32_t vi __attribute__((vector_size(V * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(V * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(V * 2)));
+#if KVLAB_HAVE_F16
+typedef _Float16 vh16 __attribute__((vector_size(V * 2)));
+#endif
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
 
 typedef struct {
@@ -65,19 +96,17 @@ typedef struct {
     int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
     int batch, heads, kv_heads, head_dim, group;
     float scale;
+    /* the task list: task t is chunk t - first_task[b] of sequence task_seq[t] */
+    int tasks;
+    int *task_seq, *first_task; /* (tasks,), (batch + 1,) */
+    float *partial;             /* per task of a multi-chunk sequence: (heads, head_dim + 2) */
+    int next_task;              /* the shared counter threads take tasks from */
 } Problem;
 
-typedef struct {
-    const Problem *p;
-    int first, last; /* task range [first, last) */
-    int status;
-} Chunk;
-
 typedef struct {        /* one thread's scratch, all fp32 */
-    float *q;           /* (group, head_dim) */
-    float *acc;         /* (group, head_dim) */
-    float *sums;        /* (group,) softmax denominators */
-    float *scores;      /* (group, max_len) */
+    float *q;           /* (heads, head_dim) */
+    float *acc;         /* (heads, head_dim) */
+    float *scores;      /* (heads, CHUNK) */
 } Scratch;
 
 /* ---- element conversion --------------------------------------------------------- */
@@ -110,9 +139,30 @@ static ALWAYS_INLINE float load(const void *base, int dtype, int64_t i) {
     return ((const float *)base)[i];
 }
 
+/* Elements i .. i + V - 1 of an array of `dtype`, as fp32 (any alignment). */
+static ALWAYS_INLINE vf load_v(const void *base, int dtype, int64_t i) {
+    vf x;
+    if (dtype == DT_BF16) {
+        vu16 h;
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+        vu32 u = __builtin_convertvector(h, vu32) << 16;
+        memcpy(&x, &u, sizeof x);
+    }
+#if KVLAB_HAVE_F16
+    else if (dtype == DT_F16) {
+        vh16 h;
+        memcpy(&h, (const _Float16 *)base + i, sizeof h);
+        x = __builtin_convertvector(h, vf);
+    }
+#endif
+    else
+        memcpy(&x, (const float *)base + i, sizeof x);
+    return x;
+}
+
 /* base[offset + i] = x[i] * mul for i < n, rounded to `dtype` (nearest even) */
-static ALWAYS_INLINE void store(void *base, int dtype, int64_t offset, const float *restrict x,
-                                float mul, int n) {
+static void store(void *base, int dtype, int64_t offset, const float *restrict x, float mul,
+                  int n) {
     if (dtype == DT_F32) {
         float *dst = (float *)base + offset;
         for (int i = 0; i < n; i++) dst[i] = x[i] * mul;
@@ -128,40 +178,42 @@ static ALWAYS_INLINE void store(void *base, int dtype, int64_t offset, const flo
 #endif
 }
 
-/* ---- vector helpers: fixed-width lane arrays that gcc vectorises ------------------- */
+/* ---- vector helpers ----------------------------------------------------------------- */
 
-/* The sum of the LANES (16) floats, as a fixed tree of adds (a loop over halving widths
- * keeps the lanes in memory). */
-static ALWAYS_INLINE float lane_sum(const float *lane) {
-    float half[8], quarter[4];
-    for (int i = 0; i < 8; i++) half[i] = lane[i] + lane[i + 8];
-    for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
-    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
-/* q . row, row being d elements of `dtype` at base[offset] */
-static ALWAYS_INLINE float dot(const float *restrict q, const void *base, int dtype,
-                               int64_t offset, int d) {
-    float lane[LANES] = {0};
-    int c = 0;
-    for (; c + LANES <= d; c += LANES)
-        for (int i = 0; i < LANES; i++) lane[i] += q[c + i] * load(base, dtype, offset + c + i);
-    for (; c < d; c++) lane[0] += q[c] * load(base, dtype, offset + c);
-    return lane_sum(lane);
+/* lane t of the result = the sum of the lanes of x[t], for TILE (16) vectors: each level
+ * adds pairs of vectors after interleaving their halves, quarters, pairs, then lanes, so
+ * every add serves all 16 sums. */
+static ALWAYS_INLINE vf sum_lanes_16(const vf *x) {
+    vf l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) /* [x0 halves | x1 halves]: 8-lane partial sums */
+        l1[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                        21, 22, 23) +
+                SHUFFLE(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                        28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* 4-lane partial sums of 4 vectors */
+        l2[i] = SHUFFLE(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                        24, 25, 26, 27) +
+                SHUFFLE(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                        28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* 2-lane partial sums of 8 vectors */
+        l3[i] = SHUFFLE(l2[2 * i], l2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
+                        24, 25, 28, 29) +
+                SHUFFLE(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
+                        26, 27, 30, 31);
+    return SHUFFLE(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 static float max_of(const float *x, int n) {
-    float lane[LANES], half[8], quarter[4];
-    for (int i = 0; i < LANES; i++) lane[i] = x[0];
+    float lane[V];
+    for (int i = 0; i < V; i++) lane[i] = x[0];
     int j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (int i = 0; i < LANES; i++) lane[i] = x[j + i] > lane[i] ? x[j + i] : lane[i];
+    for (; j + V <= n; j += V)
+        for (int i = 0; i < V; i++) lane[i] = x[j + i] > lane[i] ? x[j + i] : lane[i];
     for (; j < n; j++) lane[0] = x[j] > lane[0] ? x[j] : lane[0];
-    for (int i = 0; i < 8; i++) half[i] = lane[i + 8] > lane[i] ? lane[i + 8] : lane[i];
-    for (int i = 0; i < 4; i++) quarter[i] = half[i + 4] > half[i] ? half[i + 4] : half[i];
-    float a = quarter[0] > quarter[1] ? quarter[0] : quarter[1];
-    float b = quarter[2] > quarter[3] ? quarter[2] : quarter[3];
-    return a > b ? a : b;
+    float m = lane[0];
+    for (int i = 1; i < V; i++) m = lane[i] > m ? lane[i] : m;
+    return m;
 }
 
 /* e^x, ~1 ulp for x in [-87, 88] (Cephes expf): x = n ln2 + r, |r| <= ln2 / 2,
@@ -191,13 +243,12 @@ static inline float fast_exp(float x) {
     return p * two_n;
 }
 
-/* x[j] <- e^(x[j] - max x); returns the sum. */
-static float exp_shifted(float *x, int n) {
-    float m = max_of(x, n);
-    float lane[LANES] = {0};
+/* x[j] <- e^(x[j] - m) for j < n; returns the sum. */
+static float exp_shifted(float *x, int n, float m) {
+    float lane[V] = {0};
     int j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (int i = 0; i < LANES; i++) {
+    for (; j + V <= n; j += V)
+        for (int i = 0; i < V; i++) {
             x[j + i] = fast_exp(x[j + i] - m);
             lane[i] += x[j + i];
         }
@@ -205,89 +256,155 @@ static float exp_shifted(float *x, int n) {
         x[j] = fast_exp(x[j] - m);
         lane[0] += x[j];
     }
-    return lane_sum(lane);
+    float sum = 0.0f;
+    for (int i = 0; i < V; i++) sum += lane[i];
+    return sum;
 }
 
-/* ---- one task: sequence b, kv head kvh ------------------------------------------ */
+/* ---- one task: positions [j0, j0 + n) of sequence b, every head ---------------------- */
 
 /* The task's functions are inlined into run_task's cases, so head_dim and the cache
- * dtype are constants there: the loops over head_dim unroll and the dtype branches go.
- * K/V elements go from the cache straight into the arithmetic (no converted copy). */
+ * dtype are constants there: the loops over head_dim unroll and the dtype branches go. */
 
-static ALWAYS_INLINE void prefetch_row(const void *base, int dtype, int64_t offset, int d) {
+static ALWAYS_INLINE void prefetch_record(const void *base, int dtype, int64_t offset,
+                                          int64_t count) {
 #if defined(__GNUC__)
     const int64_t size = dtype == DT_F32 ? 4 : 2;
     const char *at = (const char *)base + offset * size;
-    for (int64_t byte = 0; byte < d * size; byte += 64) __builtin_prefetch(at + byte);
+    for (int64_t byte = 0; byte < count * size; byte += 64) __builtin_prefetch(at + byte, 0, 2);
 #else
-    (void)base, (void)dtype, (void)offset, (void)d;
+    (void)base, (void)dtype, (void)offset, (void)count;
 #endif
 }
 
-/* scores[r][j] = scale * q_r . k_j for j < len */
-static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int len, int kvh,
-                                     Scratch *s, int d, int dtype) {
-    const int g = p->group;
-    const int64_t head = kvh * p->k_head_stride, stride = p->k_slot_stride;
-    for (int j = 0; j < len; j++) {
-        if (j + PREFETCH_AHEAD < len)
-            prefetch_row(p->k, dtype, slots[j + PREFETCH_AHEAD] * stride + head, d);
-        const int64_t row = slots[j] * stride + head;
-        for (int r = 0; r < g; r++)
-            s->scores[(int64_t)r * len + j] = p->scale * dot(s->q + r * d, p->k, dtype, row, d);
+/* rows[t]: the record offsets of positions j .. j + TILE - 1 of the task (of the last
+ * position n - 1 past its end, so a partial tile still reads only the sequence's slots);
+ * prefetches the records PREFETCH_AHEAD positions on. */
+static ALWAYS_INLINE void tile_rows(const int64_t *slots, int j, int n, int64_t stride,
+                                    const void *base, int dtype, int64_t record,
+                                    int64_t *rows) {
+    for (int t = 0; t < TILE; t++) {
+        const int at = j + t < n ? j + t : n - 1;
+        rows[t] = slots[at] * stride;
+        if (j + t + PREFETCH_AHEAD < n)
+            prefetch_record(base, dtype, slots[j + t + PREFETCH_AHEAD] * stride,
+                            record);
     }
 }
 
-/* acc += sum_t weight[t] v_t over n <= TILE rows at base[rows[t]]; a full TILE loads
- * and stores acc once. */
-static ALWAYS_INLINE void accumulate(float *restrict acc, const float *restrict weight,
-                                     const void *base, int dtype, const int64_t *rows, int n,
-                                     int d) {
-    if (n < TILE) {
-        for (int t = 0; t < n; t++)
-            for (int c = 0; c < d; c++) acc[c] += weight[t] * load(base, dtype, rows[t] + c);
+/* scores[h][j] = scale * q_h . k_j for the n positions j of the task */
+static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int n,
+                                     Scratch *s, int d, int dtype) {
+    const int g = p->group, kv_heads = p->kv_heads, vec_end = d / V * V;
+    const int64_t stride = p->k_slot_stride, head_stride = p->k_head_stride;
+    const int64_t record = (kv_heads - 1) * head_stride + d;
+    for (int j = 0; j < n; j += TILE) {
+        int64_t rows[TILE];
+        tile_rows(slots, j, n, stride, p->k, p->dtype_kv, record, rows);
+        for (int kvh = 0; kvh < kv_heads; kvh++) {
+            const int64_t head = kvh * head_stride;
+            for (int r = 0; r < g; r++) {
+                const int h = kvh * g + r;
+                const float *q = s->q + (int64_t)h * d;
+                vf dots[TILE];
+                for (int t = 0; t < TILE; t++) {
+                    vf x = {0};
+                    for (int c = 0; c < vec_end; c += V) {
+                        vf qc;
+                        memcpy(&qc, q + c, sizeof qc);
+                        x += qc * load_v(p->k, dtype, rows[t] + head + c);
+                    }
+                    dots[t] = x;
+                }
+                vf sums = sum_lanes_16(dots);
+                for (int c = vec_end; c < d; c++) /* head_dim off the vector width */
+                    for (int t = 0; t < TILE; t++)
+                        sums[t] += q[c] * load(p->k, dtype, rows[t] + head + c);
+                sums *= p->scale;
+                float *out = s->scores + (int64_t)h * CHUNK + j;
+                if (j + TILE <= n) memcpy(out, &sums, sizeof sums);
+                else
+                    for (int t = 0; t < n - j; t++) out[t] = sums[t];
+            }
+        }
+    }
+}
+
+/* acc[h] += sum_{t < m} w[h][t] v_t over the rows of one tile, for every head */
+static ALWAYS_INLINE void accumulate(const Problem *p, Scratch *s, const int64_t *rows, int j,
+                                     int m, int d, int dtype) {
+    const int g = p->group, vec_end = d / V * V;
+    for (int kvh = 0; kvh < p->kv_heads; kvh++) {
+        const int64_t head = kvh * p->v_head_stride;
+        for (int c = 0; c < vec_end; c += V) {
+            vf vt[TILE];
+            for (int t = 0; t < m; t++) vt[t] = load_v(p->v, dtype, rows[t] + head + c);
+            for (int r = 0; r < g; r++) {
+                const int h = kvh * g + r;
+                const float *w = s->scores + (int64_t)h * CHUNK + j;
+                float *acc = s->acc + (int64_t)h * d + c;
+                vf a;
+                memcpy(&a, acc, sizeof a);
+                for (int t = 0; t < m; t++) a += w[t] * vt[t];
+                memcpy(acc, &a, sizeof a);
+            }
+        }
+        for (int c = vec_end; c < d; c++) /* head_dim off the vector width */
+            for (int r = 0; r < g; r++) {
+                const int h = kvh * g + r;
+                const float *w = s->scores + (int64_t)h * CHUNK + j;
+                float x = s->acc[(int64_t)h * d + c];
+                for (int t = 0; t < m; t++) x += w[t] * load(p->v, dtype, rows[t] + head + c);
+                s->acc[(int64_t)h * d + c] = x;
+            }
+    }
+}
+
+/* acc[h] = sum_j scores[h][j] v_j over the n positions of the task */
+static ALWAYS_INLINE void value_pass(const Problem *p, const int64_t *slots, int n, Scratch *s,
+                                     int d, int dtype) {
+    const int64_t stride = p->v_slot_stride;
+    const int64_t record = (p->kv_heads - 1) * p->v_head_stride + d;
+    memset(s->acc, 0, sizeof(float) * (size_t)p->heads * (size_t)d);
+    for (int j = 0; j < n; j += TILE) {
+        int64_t rows[TILE];
+        tile_rows(slots, j, n, stride, p->v, p->dtype_kv, record, rows);
+        if (j + TILE <= n) accumulate(p, s, rows, j, TILE, d, dtype);
+        else accumulate(p, s, rows, j, n - j, d, dtype);
+    }
+}
+
+static ALWAYS_INLINE void task_body(Problem *p, int task, Scratch *s, int d, int dtype) {
+    const int b = p->task_seq[task], chunk = task - p->first_task[b];
+    const int chunks = p->first_task[b + 1] - p->first_task[b];
+    const int j0 = chunk * CHUNK, len = (int)p->lens[b];
+    const int n = len - j0 < CHUNK ? len - j0 : CHUNK, heads = p->heads;
+    const int64_t *slots = p->slots + (int64_t)b * p->slots_stride + j0;
+    const int64_t q_row = (int64_t)b * heads * d;
+    for (int i = 0; i < heads * d; i++) s->q[i] = load(p->q, p->dtype_q, q_row + i);
+    score_pass(p, slots, n, s, d, dtype);
+    float maxes[MAX_HEADS], sums[MAX_HEADS];
+    for (int h = 0; h < heads; h++) {
+        float *row = s->scores + (int64_t)h * CHUNK;
+        maxes[h] = max_of(row, n);
+        sums[h] = exp_shifted(row, n, maxes[h]);
+    }
+    value_pass(p, slots, n, s, d, dtype);
+    if (chunks == 1) {
+        for (int h = 0; h < heads; h++)
+            store(p->out, p->dtype_q, q_row + (int64_t)h * d, s->acc + (int64_t)h * d,
+                  1.0f / sums[h], d);
         return;
     }
-    for (int c = 0; c < d; c++) {
-        float x = acc[c];
-        for (int t = 0; t < TILE; t++) x += weight[t] * load(base, dtype, rows[t] + c);
-        acc[c] = x;
+    float *part = p->partial + (int64_t)task * heads * (d + 2); /* per head: max, sum, acc */
+    for (int h = 0; h < heads; h++, part += d + 2) {
+        part[0] = maxes[h];
+        part[1] = sums[h];
+        memcpy(part + 2, s->acc + (int64_t)h * d, sizeof(float) * (size_t)d);
     }
 }
 
-/* acc[r] = sum_j scores[r][j] v_j, TILE positions at a time */
-static ALWAYS_INLINE void value_pass(const Problem *p, const int64_t *slots, int len, int kvh,
-                                     Scratch *s, int d, int dtype) {
-    const int g = p->group;
-    const int64_t head = kvh * p->v_head_stride, stride = p->v_slot_stride;
-    memset(s->acc, 0, sizeof(float) * (size_t)g * (size_t)d);
-    for (int j = 0; j < len; j += TILE) {
-        const int n = len - j < TILE ? len - j : TILE;
-        int64_t rows[TILE];
-        for (int t = 0; t < n; t++) {
-            if (j + t + PREFETCH_AHEAD < len)
-                prefetch_row(p->v, dtype, slots[j + t + PREFETCH_AHEAD] * stride + head, d);
-            rows[t] = slots[j + t] * stride + head;
-        }
-        for (int r = 0; r < g; r++)
-            accumulate(s->acc + r * d, s->scores + (int64_t)r * len + j, p->v, dtype, rows, n, d);
-    }
-}
-
-static ALWAYS_INLINE void task_body(const Problem *p, int task, Scratch *s, int d, int dtype) {
-    const int b = task / p->kv_heads, kvh = task % p->kv_heads;
-    const int g = p->group, len = (int)p->lens[b];
-    const int64_t *slots = p->slots + (int64_t)b * p->slots_stride;
-    const int64_t q_row = ((int64_t)b * p->heads + (int64_t)kvh * g) * d; /* first of g rows */
-    for (int i = 0; i < g * d; i++) s->q[i] = load(p->q, p->dtype_q, q_row + i);
-    score_pass(p, slots, len, kvh, s, d, dtype);
-    for (int r = 0; r < g; r++) s->sums[r] = exp_shifted(s->scores + (int64_t)r * len, len);
-    value_pass(p, slots, len, kvh, s, d, dtype);
-    for (int r = 0; r < g; r++)
-        store(p->out, p->dtype_q, q_row + (int64_t)r * d, s->acc + r * d, 1.0f / s->sums[r], d);
-}
-
-static ALWAYS_INLINE void task_dim(const Problem *p, int task, Scratch *s, int d) {
+static ALWAYS_INLINE void task_dim(Problem *p, int task, Scratch *s, int d) {
     switch (p->dtype_kv) {
     case DT_F32: task_body(p, task, s, d, DT_F32); break;
     case DT_BF16: task_body(p, task, s, d, DT_BF16); break;
@@ -295,7 +412,7 @@ static ALWAYS_INLINE void task_dim(const Problem *p, int task, Scratch *s, int d
     }
 }
 
-static void run_task(const Problem *p, int task, Scratch *s) {
+static void run_task(Problem *p, int task, Scratch *s) {
     switch (p->head_dim) { /* the common head sizes get their own unrolled copies */
     case 64: task_dim(p, task, s, 64); break;
     case 96: task_dim(p, task, s, 96); break;
@@ -305,64 +422,165 @@ static void run_task(const Problem *p, int task, Scratch *s) {
     }
 }
 
+/* out for sequence b from its chunks' (max, sum, acc), in chunk order */
+static void merge_chunks(const Problem *p, int b, float *acc) {
+    const int d = p->head_dim, heads = p->heads, stride = heads * (d + 2);
+    const int first = p->first_task[b], last = p->first_task[b + 1];
+    for (int h = 0; h < heads; h++) {
+        const float *part = p->partial + (int64_t)first * stride + (int64_t)h * (d + 2);
+        float m = part[0], sum = 0.0f;
+        for (int t = 1; t < last - first; t++) m = part[t * stride] > m ? part[t * stride] : m;
+        memset(acc, 0, sizeof(float) * (size_t)d);
+        for (int t = first; t < last; t++, part += stride) {
+            const float w = fast_exp(part[0] - m);
+            sum += w * part[1];
+            for (int c = 0; c < d; c++) acc[c] += w * part[2 + c];
+        }
+        store(p->out, p->dtype_q, ((int64_t)b * heads + h) * d, acc, 1.0f / sum, d);
+    }
+}
+
 /* ---- threads ---------------------------------------------------------------------- */
 
-static void *run_chunk(void *arg) {
-    Chunk *c = (Chunk *)arg;
-    const Problem *p = c->p;
-    const size_t g = (size_t)p->group, d = (size_t)p->head_dim, gd = g * d;
-    float *buf = malloc(sizeof(float) * (2 * gd + g + g * (size_t)p->max_len));
-    if (!buf) {
-        c->status = KVLAB_ENOMEM;
-        return NULL;
+/* Every task until the counter runs out; KVLAB_ENOMEM when there is no scratch. */
+static int take_tasks(Problem *p) {
+    const size_t hd = (size_t)p->heads * (size_t)p->head_dim;
+    float *buf = malloc(sizeof(float) * (2 * hd + (size_t)p->heads * CHUNK));
+    if (!buf) return KVLAB_ENOMEM;
+    Scratch s = {buf, buf + hd, buf + 2 * hd};
+    for (;;) {
+        const int t = __atomic_fetch_add(&p->next_task, 1, __ATOMIC_RELAXED);
+        if (t >= p->tasks) break;
+        run_task(p, t, &s);
     }
-    Scratch s = {buf, buf + gd, buf + 2 * gd, buf + 2 * gd + g};
-    for (int t = c->first; t < c->last; t++) run_task(p, t, &s);
     free(buf);
-    c->status = KVLAB_OK;
+    return KVLAB_OK;
+}
+
+/* The pool: helper threads, started on first need and kept, that sleep on `start` between
+ * calls (no spinning: torch's threads run between calls). A sleeper woken by the OS runs
+ * sooner than a freshly created thread, which waits behind whatever holds the core (such as
+ * an OpenMP thread still spinning after torch's last matmul). One call at a time (`call`);
+ * fork() waits for a running call, and the child starts with no helpers. */
+static struct {
+    pthread_mutex_t call, lock; /* lock guards the fields below */
+    pthread_cond_t start, done;
+    int helpers;                /* started so far */
+    int wanted, busy;           /* helpers in this call, and those still working on it */
+    uint64_t generation;        /* one per call */
+    uint64_t first_seen[MAX_THREADS]; /* a new helper's generation when it was started */
+    Problem *problem;
+    int status;
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+          .start = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void before_fork(void) { pthread_mutex_lock(&pool.call); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&pool.call); }
+static void after_fork_child(void) { /* the helpers did not come along */
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.helpers = 0;
+    pthread_mutex_unlock(&pool.call);
+}
+static void pool_init(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
+
+static void *helper(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    uint64_t seen = pool.first_seen[index];
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
+        seen = pool.generation;
+        if (index >= pool.wanted) continue; /* not needed in this call */
+        Problem *p = pool.problem;
+        pthread_mutex_unlock(&pool.lock);
+        const int status = take_tasks(p);
+        pthread_mutex_lock(&pool.lock);
+        pool.status = pool.status ? pool.status : status;
+        if (--pool.busy == 0) pthread_cond_signal(&pool.done);
+    }
     return NULL;
 }
 
-/* bounds[0..n]: n contiguous task ranges of about equal context length */
-static void split_tasks(const Problem *p, int n, int *bounds) {
-    const int tasks = p->batch * p->kv_heads;
-    int64_t total = 0, seen = 0;
-    for (int b = 0; b < p->batch; b++) total += (p->lens[b] + TASK_OVERHEAD) * p->kv_heads;
-    int t = 1;
-    bounds[0] = 0;
-    for (int i = 0; i < tasks && t < n; i++) {
-        seen += p->lens[i / p->kv_heads] + TASK_OVERHEAD;
-        while (t < n && seen * n >= total * t) bounds[t++] = i + 1;
+/* Starts helpers until there are `n` (fewer if the system says no); called under lock. */
+static void start_helpers(int n) {
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr)) return;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (pool.helpers < n) {
+        pthread_t id;
+        pool.first_seen[pool.helpers] = pool.generation;
+        if (pthread_create(&id, &attr, helper, (void *)(intptr_t)pool.helpers)) break;
+        pool.helpers++;
     }
-    while (t <= n) bounds[t++] = tasks;
+    pthread_attr_destroy(&attr);
 }
 
 static int thread_count(const Problem *p, int wanted) {
-    const int tasks = p->batch * p->kv_heads;
     int64_t work = 0;
     for (int b = 0; b < p->batch; b++) work += p->lens[b] * p->kv_heads;
-    int n = wanted < tasks ? wanted : tasks;
+    int n = wanted < p->tasks ? wanted : p->tasks;
     n = n < MAX_THREADS ? n : MAX_THREADS;
     return work < MIN_PARALLEL || n < 1 ? 1 : n;
 }
 
-static int run_all(const Problem *p, int num_threads) {
+/* Every task, on this thread and n - 1 helpers, taking them from a shared counter. */
+static int run_all(Problem *p, int num_threads) {
     const int n = thread_count(p, num_threads);
-    int bounds[MAX_THREADS + 1];
-    Chunk chunks[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    split_tasks(p, n, bounds);
-    for (int t = 0; t < n; t++) chunks[t] = (Chunk){p, bounds[t], bounds[t + 1], KVLAB_OK};
-    for (int t = 1; t < n; t++)
-        started[t] = pthread_create(&ids[t], NULL, run_chunk, &chunks[t]) == 0;
-    run_chunk(&chunks[0]);
-    int status = chunks[0].status;
-    for (int t = 1; t < n; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_chunk(&chunks[t]); /* no thread: run its share here */
-        status = status ? status : chunks[t].status;
+    if (n == 1) return take_tasks(p);
+    pthread_once(&pool_once, pool_init);
+    pthread_mutex_lock(&pool.call);
+    pthread_mutex_lock(&pool.lock);
+    start_helpers(n - 1);
+    pool.wanted = pool.busy = n - 1 < pool.helpers ? n - 1 : pool.helpers;
+    pool.problem = p;
+    pool.status = KVLAB_OK;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.start);
+    pthread_mutex_unlock(&pool.lock);
+    int status = take_tasks(p);
+    pthread_mutex_lock(&pool.lock);
+    while (pool.busy) pthread_cond_wait(&pool.done, &pool.lock);
+    status = status ? status : pool.status;
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.call);
+    return status;
+}
+
+/* The task list and the partial results' buffer, then every task, then the merges. */
+static int run_problem(Problem *p, int num_threads) {
+    int64_t tasks = 0, partials = 0;
+    for (int b = 0; b < p->batch; b++) {
+        const int64_t chunks = (p->lens[b] + CHUNK - 1) / CHUNK;
+        tasks += chunks;
+        partials += chunks > 1 ? chunks : 0;
     }
+    if (tasks > INT32_MAX) return KVLAB_EARG;
+    p->tasks = (int)tasks;
+    p->task_seq = malloc(sizeof(int) * ((size_t)tasks + (size_t)p->batch + 1));
+    p->partial = partials ? malloc(sizeof(float) * (size_t)tasks * (size_t)p->heads *
+                                   (size_t)(p->head_dim + 2))
+                          : NULL;
+    float *acc = malloc(sizeof(float) * (size_t)p->head_dim);
+    int status = KVLAB_ENOMEM;
+    if (p->task_seq && acc && (p->partial || !partials)) {
+        p->first_task = p->task_seq + tasks;
+        int t = 0;
+        for (int b = 0; b < p->batch; b++) {
+            p->first_task[b] = t;
+            for (int64_t c = 0; c < (p->lens[b] + CHUNK - 1) / CHUNK; c++) p->task_seq[t++] = b;
+        }
+        p->first_task[p->batch] = t;
+        p->next_task = 0;
+        status = run_all(p, num_threads);
+        for (int b = 0; status == KVLAB_OK && b < p->batch; b++)
+            if (p->first_task[b + 1] - p->first_task[b] > 1) merge_chunks(p, b, acc);
+    }
+    free(p->task_seq);
+    free(p->partial);
+    free(acc);
     return status;
 }
 
@@ -403,8 +621,9 @@ int kvlab_paged_decode(const void *q, const void *k, const void *v, void *out, i
                        float scale, int num_threads) {
     Problem p = {q, k, v, out, dtype_q, dtype_kv, slots, slots_stride, lens, max_len,
                  k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
-                 B, heads, kv_heads, head_dim, kv_heads > 0 ? heads / kv_heads : 0, scale};
+                 B, heads, kv_heads, head_dim, kv_heads > 0 ? heads / kv_heads : 0, scale,
+                 0, NULL, NULL, NULL, 0};
     int status = check_args(&p, num_slots);
     if (status != KVLAB_OK || B == 0) return status;
-    return run_all(&p, num_threads);
+    return run_problem(&p, num_threads);
 }

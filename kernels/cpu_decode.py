@@ -8,16 +8,22 @@ the memory traffic. `cpu_decode.c` instead reads each K and V row once, where it
 * **Slots.** Position j of sequence b lives in slot `slots[b, j]` of the layer's
   (num_slots, kv_heads, head_dim) storage; positions >= lens[b] are never read (their
   slots may hold anything, NaN included).
-* **GQA.** One task is one (sequence, kv head): it serves the `heads // kv_heads` query
-  heads that share the kv head, so each K/V row is loaded once and used for all of them.
-* **Two passes, fp32.** Scores q . k_j * scale go to a (group, len) fp32 buffer; each row
+* **One task per chunk of a sequence.** A task covers up to 256 positions of one sequence
+  for all its heads: a slot's K for every kv head is one contiguous record (likewise V), so
+  the records are read front to back, each value once, and used for all the query heads
+  that share its kv head (GQA). Longer sequences are split into such chunks, whose partial
+  softmax results are merged by log-sum-exp; the chunks depend only on the lengths, so the
+  output is bit-identical for any thread count.
+* **Two passes, fp32.** Scores q . k_j * scale go to a (heads, chunk) fp32 buffer; each row
   gets softmax with max subtraction (a polynomial exp, ~1 ulp); the V pass accumulates
   p_j v_j in fp32 and divides by the sum. The output is rounded to q's dtype once.
-* **Vectorised C, pthreads.** The head_dim loops accumulate into fixed-width float
-  arrays, which gcc vectorises without -ffast-math; bf16/fp16 are widened as they are
-  loaded; rows a few positions ahead are prefetched (scattered slots defeat the hardware
-  prefetcher). The B x kv_heads tasks are split into `torch.get_num_threads()` ranges of
-  about equal context length, one pthread each (not OpenMP: torch ships its own runtime).
+* **Vectorised C, pthreads.** 16-float GNU vectors; the score pass sums 16 dot products'
+  lanes together with a shuffle tree; bf16/fp16 are widened as they are loaded; records a
+  few positions ahead are prefetched into L2 (scattered blocks defeat the hardware
+  prefetcher). The tasks are taken from a shared counter by the calling thread and
+  `torch.get_num_threads() - 1` helper pthreads, which the library starts once and which
+  sleep between calls (not OpenMP: torch ships its own runtime). Calls from several Python
+  threads run one at a time; a forked child starts its own helpers.
 
 The C file is compiled on first use with the system's C compiler (`$CC`, else cc/gcc/clang)
 into `$XDG_CACHE_HOME/kvlab/kernels/` (default ~/.cache), named by a hash of the source,

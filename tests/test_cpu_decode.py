@@ -169,3 +169,19 @@ def bad_inputs():
 def test_bad_inputs_raise(match, args):
     with pytest.raises(ValueError, match=match):
         cpu_paged_decode_attention(*args, 0.125)
+
+
+def test_long_ragged_sequences_split_into_chunks():
+    """Sequences past one task's 256 positions are merged from chunks, the same in any split."""
+    q, k, v, slots, lens = paged_case(5, 9, 3, 64, torch.float32, seed=13, max_len=1500)
+    lens[0], lens[1] = 256, 257  # exactly one chunk, and one position into a second
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = assert_matches(q, k, v, slots, lens)
+        torch.set_num_threads(max(2, threads))
+        multi = assert_matches(q, k, v, slots, lens)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+    assert_matches(*paged_case(3, 8, 2, 128, torch.bfloat16, seed=14, max_len=900))
