@@ -18,9 +18,11 @@ from kvlab import texts  # noqa: E402
 
 torch.manual_seed(0)
 
-# `make test` runs on every core with pytest-xdist (-n auto --dist loadgroup). Each worker
-# then computes on its share of the cores (one each on a 2-core machine), and so do the
-# notebook kernels, vLLM engines and tensor-parallel ranks it starts (OMP_NUM_THREADS).
+# `make test` runs on every core with pytest-xdist (-n auto --dist loadfile): a worker takes
+# a whole test module or a whole notebook at a time (nbval runs a notebook's cells in order,
+# in one kernel). Each worker computes on its share of the cores (one each on a 2-core
+# machine), and so do the notebook kernels, vLLM engines and tensor-parallel ranks it
+# starts (OMP_NUM_THREADS).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
@@ -28,8 +30,8 @@ if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(SHARE)
 
 # The longest units of work (pytest --durations), scheduled first so that no worker is
-# left with one of them at the end: every browser notebook, every notebook under nbval,
-# then these modules.
+# left with one of them at the end: the browser test, every notebook under nbval, then
+# these modules.
 LONG_MODULES = (
     "test_serve_vllm_client.py",
     "test_spec_vllm.py",
@@ -43,10 +45,8 @@ LONG_MODULES = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Units of work for pytest-xdist's loadgroup: a test module, a notebook (nbval runs
-    its cells in order in one kernel) or one notebook of the browser test; long ones first."""
+    """The long units of work first (xdist hands out files in collection order)."""
 
     def rank(item) -> int:
         if item.path.name == "test_browser.py":
@@ -55,11 +55,7 @@ def pytest_collection_modifyitems(config, items):
             return 1
         return 2 if item.path.name in LONG_MODULES else 3
 
-    for item in items:
-        browser = item.path.name == "test_browser.py"
-        group = item.nodeid if browser else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=rank)  # stable: a module's tests stay together, in order
+    items.sort(key=rank)  # stable: a file's tests stay together, in order
 
 
 @pytest.fixture(scope="session")
