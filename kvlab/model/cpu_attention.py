@@ -27,7 +27,6 @@ from kvlab.cache.pool import KVPool
 from kvlab.model.attention import group_attention
 from kvlab.model.metadata import AttentionGroup, AttentionMetadata
 
-CPU_CODECS = (None, "fp16", "bf16")  # the native kernel's: stored floats
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, lse)
 
 
@@ -37,7 +36,8 @@ def cpu_attention(
     """pooled_attention's result, computed as the module docstring says.
 
     q: (T, heads, head_dim) -> (T, heads, head_dim). The pool's codec must be one of
-    CPU_CODECS and the native kernel built (kvlab.kernels.cpu_decode_available).
+    kvlab.kernels.dispatch.CPU_CODECS and the native kernel built
+    (kvlab.kernels.cpu_decode_available).
     """
     from kvlab.kernels import cpu_paged_decode_attention
 

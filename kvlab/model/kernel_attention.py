@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.pool import KVPool
+from kvlab.kernels.dispatch import CPU_CODECS
 from kvlab.model.attention import pooled_attention
-from kvlab.model.cpu_attention import CPU_CODECS, cpu_attention
+from kvlab.model.cpu_attention import cpu_attention
 from kvlab.model.metadata import AttentionMetadata
 
 KERNEL_CODECS = (None, "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
