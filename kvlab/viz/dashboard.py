@@ -25,7 +25,7 @@ from kvlab.experiments.compare import Comparison, compare
 from kvlab.experiments.configs import DEFAULT_CONFIGS
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB
-from kvlab.viz.app import App
+from kvlab.viz.app import App, round_slider
 from kvlab.viz.compare import add_capacity, add_latency, add_memory, add_throughput
 from kvlab.workloads import WORKLOADS, load_workload
 
@@ -47,6 +47,9 @@ WORKLOAD_OPTIONS = {
     "chat": {"max_new_tokens": (8, 24)},
     "uniform-chat": {"max_new_tokens": 16},
 }
+# The KV budgets the slider offers, MiB (any other budget given is added in order).
+BUDGETS_MIB = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+               2048, 3072, 4096)  # fmt: skip
 PANELS = (
     "KV memory: reserved vs live (dotted)",
     "throughput (grey: saved bench)",
@@ -96,9 +99,7 @@ class Dashboard(App):
             options=list(WORKLOADS), value=workload, description="workload"
         )
         self.n = widgets.IntSlider(value=n, min=1, max=32, description="requests")
-        self.budget = widgets.FloatLogSlider(
-            value=budget_mib, base=2, min=2, max=12, step=0.25, description="KV MiB"
-        )
+        self.budget = round_slider(BUDGETS_MIB, budget_mib, description="KV MiB")
         options = list(dict.fromkeys([*CONFIG_CHOICES, *configs]))
         self.configs = widgets.SelectMultiple(
             options=options, value=tuple(configs), description="configs", rows=6
