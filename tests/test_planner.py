@@ -141,6 +141,8 @@ def test_planner_app_follows_its_widgets():
     curve = capacity_curve("Llama-3-8B", memory=80 * 2**30)
     assert list(paged.y) == curve["paged"].tolist() and list(mha.y) == curve["paged_mha"].tolist()
     assert "paged 56 sequences" in app.summary.value
+    offered = [value for _label, value in app.memory.options]  # round sizes, 80 among them
+    assert app.memory.value == 80 and 141 in offered and offered == sorted(offered)
     app.users.value = 64
     assert "do NOT fit" in app.figure.layout.title.text
     app.kv_codec.value = "int8"

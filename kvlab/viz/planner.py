@@ -23,8 +23,13 @@ from kvlab.planner import (
     plan,
 )
 from kvlab.units import GiB
-from kvlab.viz.app import App
+from kvlab.viz.app import App, round_slider
 
+# Accelerator memory the slider offers, GiB: small devices, then real ones (T4 16, A10/L4 24,
+# V100/RTX 5090 32, A100 40/80, L40S 48, RTX PRO 6000 96, H200 141, MI300X/B200 192,
+# MI355X/B300 288) and multi-device totals. A `memory_gib` not listed is added in order.
+MEMORY_GIB = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 141, 192, 256, 288, 512,
+              1024)  # fmt: skip
 CONTEXTS = tuple(2**k for k in range(7, 18))  # 128 .. 131072 tokens
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 PANELS = ("max concurrent sequences", "memory for the users at this context")
@@ -48,15 +53,7 @@ class PlannerApp(App):
         self.model = widgets.Dropdown(
             options=list(MODELS), value=model, description="model", style=style
         )
-        self.memory = widgets.FloatLogSlider(
-            value=memory_gib,
-            base=2,
-            min=0,
-            max=10,
-            step=0.125,
-            description="memory GiB",
-            style=style,
-        )
+        self.memory = round_slider(MEMORY_GIB, memory_gib, description="memory GiB", style=style)
         self.weight_dtype = widgets.Dropdown(
             options=list(WEIGHT_DTYPES), value=weight_dtype, description="weights", style=style
         )
@@ -73,7 +70,11 @@ class PlannerApp(App):
             value=users, min=1, max=512, description="users", style=style
         )
         self.summary = widgets.HTML()
-        self.figure = go.FigureWidget(make_subplots(rows=1, cols=2, subplot_titles=PANELS))
+        # Wide panels with a wide gap: the titles, the right panel's y title and the left
+        # panel's log ticks would otherwise run into each other.
+        self.figure = go.FigureWidget(
+            make_subplots(rows=1, cols=2, subplot_titles=PANELS, horizontal_spacing=0.14)
+        )
         for name, label in (
             ("paged", "paged"),
             ("naive", "naive (max_model_len)"),
@@ -90,7 +91,7 @@ class PlannerApp(App):
         self.figure.update_xaxes(type="log", title_text="context length (tokens)", row=1, col=1)
         self.figure.update_yaxes(type="log", title_text="sequences", row=1, col=1)
         self.figure.update_yaxes(title_text="GiB", row=1, col=2)
-        self.figure.update_layout(height=420, barmode="stack")
+        self.figure.update_layout(height=440, width=1000, barmode="stack")
         self.plan = None
         for control in self.controls():
             control.observe(lambda _change: self.refresh(), names="value")
