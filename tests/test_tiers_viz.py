@@ -37,6 +37,12 @@ def test_figures_draw_what_they_are_given(trace):
     figure = viz.hierarchy_figure(trace["frames"])
     assert len(figure.frames) == len(trace["frames"])
     assert len(figure.data[0].x) == len(trace["frames"][-1][1])
+    widest = max(
+        len([r for r in rows if r["tier"] == t])
+        for _, rows in trace["frames"]
+        for t in viz.TIER_ROWS
+    )
+    assert list(figure.layout.xaxis.range) == [-0.5, widest - 0.5]  # every frame's blocks fit
     bars = viz.recompute_figure(trace)
     assert list(bars.data[0].x) == ["device only", "host+disk"]
     assert list(bars.data[0].y) == [trace["configs"][c]["computed_tokens"] for c in bars.data[0].x]

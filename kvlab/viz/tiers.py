@@ -42,6 +42,9 @@ def hierarchy_figure(frames: list[tuple[str, list[dict]]]) -> go.Figure:
                            marker=dict(symbol="square", size=7, color=[colors[n] for n in names]),
                            showlegend=False)]  # fmt: skip
 
+    # One x-range for every frame (an animation keeps the first frame's range): from the
+    # first block to the last of the fullest tier in any frame, half a block either side.
+    widest = max(max(_grid(rows)[0], default=-1) + 1 for _, rows in frames)
     figure = go.Figure(traces(frames[-1][1]))
     figure.frames = [go.Frame(data=traces(rows), name=label) for label, rows in frames]
     steps = [dict(method="animate", label=label, args=[[label], dict(mode="immediate",
@@ -49,8 +52,13 @@ def hierarchy_figure(frames: list[tuple[str, list[dict]]]) -> go.Figure:
     figure.update_layout(
         title="Where each cached block sits (colour: session; grey: none recorded)",
         sliders=[dict(active=len(frames) - 1, steps=steps, currentvalue=dict(prefix="after "))],
-        yaxis=dict(categoryorder="array", categoryarray=TIER_ROWS[::-1], title=""),
-        xaxis=dict(title="blocks"),
+        yaxis=dict(  # every tier's row in every frame, even a tier no frame fills
+            categoryorder="array",
+            categoryarray=TIER_ROWS[::-1],
+            title="",
+            range=[-0.5, len(TIER_ROWS) - 0.5],
+        ),
+        xaxis=dict(title="blocks", range=[-0.5, max(widest, 1) - 0.5], zeroline=False),
         height=360,
         margin=dict(l=120),
     )
