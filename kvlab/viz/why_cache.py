@@ -27,6 +27,7 @@ class CacheLatencyExplorer(App):
             step=8,
             description="prompt tokens",
             continuous_update=False,
+            style={"description_width": "initial"},  # the whole label, not "prompt to..."
         )
         self.new_tokens = widgets.IntSlider(
             value=new_tokens,
@@ -35,6 +36,7 @@ class CacheLatencyExplorer(App):
             step=8,
             description="new tokens",
             continuous_update=False,
+            style={"description_width": "initial"},
         )
         self.figure = go.FigureWidget(
             data=[go.Scatter(name=mode, mode="lines+markers") for mode in MODES],
