@@ -41,11 +41,20 @@ class CodecExplorer(App):
         self.layer = widgets.IntSlider(
             value=layer, min=0, max=k.shape[0] - 1, description="layer", continuous_update=False
         )
-        figure = make_subplots(rows=2, cols=2, subplot_titles=self.PANELS, vertical_spacing=0.15)
+        figure = make_subplots(
+            rows=2,
+            cols=2,
+            subplot_titles=self.PANELS,
+            vertical_spacing=0.2,  # room for the top row's x title under its ticks
+            horizontal_spacing=0.1,
+        )
         for i in range(4):
             figure.add_trace(go.Bar(name=self.PANELS[i], showlegend=False), i // 2 + 1, i % 2 + 1)
-        figure.update_yaxes(type="log", title_text="count")
-        figure.update_layout(height=520, bargap=0, title="K/V values and codec error")
+        figure.update_yaxes(type="log")
+        figure.update_yaxes(title_text="count", col=1)  # the right column shares it
+        figure.update_xaxes(title_text="value", row=1)
+        figure.update_xaxes(title_text="decoded - true", row=2)
+        figure.update_layout(height=600, width=900, bargap=0, title="K/V values and codec error")
         self.figure = go.FigureWidget(figure)
         self.summary = widgets.HTML()
         for control in (self.codec, self.layer):
