@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,18 +21,20 @@ torch.manual_seed(0)
 
 # `make test` runs on every core with pytest-xdist (-n auto --dist loadfile): a worker takes
 # a whole test module or a whole notebook at a time (nbval runs a notebook's cells in order,
-# in one kernel). Each worker computes on its share of the cores (one each on a 2-core
-# machine), and so do the notebook kernels, vLLM engines and tensor-parallel ranks it
-# starts (OMP_NUM_THREADS).
+# in one kernel), and each notebook of the browser test is a unit of its own (see
+# pytest_xdist_make_scheduler). Each worker computes on its share of the cores (one each on
+# a 2-core machine), and so do the notebook kernels, vLLM engines and tensor-parallel ranks
+# it starts (OMP_NUM_THREADS).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
     torch.set_num_threads(SHARE)
     os.environ["OMP_NUM_THREADS"] = str(SHARE)
 
-# The longest units of work (pytest --durations), scheduled first so that no worker is
-# left with one of them at the end: the browser test, every notebook under nbval, then
-# these modules.
+BROWSER_TEST = "tests/test_browser.py"
+# The longest units of work go first, so that no worker is left with one of them at the
+# end: the browser test's notebooks, every notebook under nbval (each group slowest first,
+# by the wall times `make notebook-times` saved), then these modules (pytest --durations).
 LONG_MODULES = (
     "test_serve_vllm_client.py",
     "test_spec_vllm.py",
@@ -43,19 +46,51 @@ LONG_MODULES = (
     "test_benchmarks.py",
     "test_tensor_parallel.py",
 )
+NOTEBOOK_TIMES = Path(__file__).parents[1] / "benchmarks" / "results" / "notebook_times.json"
+
+
+def _notebook_seconds() -> dict[str, float]:
+    """Each notebook's saved wall time by file name (empty where none is saved)."""
+    try:
+        rows = json.loads(NOTEBOOK_TIMES.read_text())["notebooks"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {Path(row["notebook"]).name: float(row["wall_s"]) for row in rows}
 
 
 def pytest_collection_modifyitems(config, items):
-    """The long units of work first (xdist hands out files in collection order)."""
+    """The long units of work first (xdist hands them out in collection order)."""
+    seconds = _notebook_seconds()
 
-    def rank(item) -> int:
-        if item.path.name == "test_browser.py":
-            return 0
+    def rank(item) -> tuple[int, float]:
+        if item.nodeid.startswith(BROWSER_TEST + "::"):
+            return 0, -seconds.get(item.callspec.params.get("name", ""), 0.0)
         if item.path.suffix == ".ipynb":
-            return 1
-        return 2 if item.path.name in LONG_MODULES else 3
+            return 1, -seconds.get(item.path.name, 0.0)
+        return (2 if item.path.name in LONG_MODULES else 3), 0.0
 
     items.sort(key=rank)  # stable: a file's tests stay together, in order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, except that each notebook of the browser test is a unit of its own.
+
+    The browser test is one file holding every notebook (each its own JupyterLab page and
+    kernel); as one unit it would keep one worker busy for as long as the rest of the suite
+    takes on the other. Other modes are left to xdist.
+    """
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class NotebookScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(BROWSER_TEST + "::"):
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return NotebookScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
