@@ -100,6 +100,7 @@ $(GRADING_STAMP): $(STAMP)
 
 # The nbgrader workflow on a throw-away course (generate, autograde, feedback); with
 # KVLAB_NBGRADER_ALL=1 every known-wrong answer of tests/lab_mistakes.py is handed in.
+# `make test` runs it too, from tests/test_nbgrader_venv.py.
 test-grading: grading
 	JUPYTER_PATH=$(abspath $(VENV))/share/jupyter $(GRADING)/bin/python -m pytest tests/test_labs_nbgrader.py $(PYTEST_ARGS)
 
@@ -107,7 +108,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint browser peers
+test: lint browser peers grading
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
 bench: setup

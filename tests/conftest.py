@@ -36,6 +36,7 @@ BROWSER_TEST = "tests/test_browser.py"
 # end: the browser test's notebooks, every notebook under nbval (each group slowest first,
 # by the wall times `make notebook-times` saved), then these modules (pytest --durations).
 LONG_MODULES = (
+    "test_nbgrader_venv.py",
     "test_serve_vllm_client.py",
     "test_spec_vllm.py",
     "test_vllm_oracle.py",
