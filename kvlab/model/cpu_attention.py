@@ -40,9 +40,11 @@ def cpu_attention(
     (kvlab.kernels.cpu_decode_available).
     """
     from kvlab.kernels import cpu_paged_decode_attention
+    from kvlab.model.kernel_attention import pool_layer  # which imports this module
 
     out = torch.empty_like(q)
-    k_cache, v_cache = (fields[0][layer] for fields in (pool.codec.k_fields, pool.codec.v_fields))
+    stored = pool_layer(pool, layer)
+    k_cache, v_cache = stored["k_cache"], stored["v_cache"]
     for group in meta.groups:
         rows = q[group.rows]  # (G * Q, heads, head_dim)
         if group.lens is not None:  # decodes: (G, heads, head_dim)
