@@ -151,8 +151,10 @@ def test_block_copies_are_bit_exact_for_every_codec(kv_codec):
             for a, b in zip(original, copied):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits
     again = pool.read(target)
-    for name, tensor in saved.tensors.items():
-        assert torch.equal(tensor, again.tensors[name]), name
+    for name, tensor in saved.tensors.items():  # bits: the scales of an incomplete group
+        # are never written (torch.empty), and garbage may be NaN, which equals nothing
+        bits = (t.contiguous().view(torch.uint8) for t in (tensor, again.tensors[name]))
+        assert torch.equal(*bits), name
 
 
 # 5. Watermark admission of a prompt bigger than 1 - watermark of the pool -------------------
