@@ -36,7 +36,10 @@ def test_snapshots_follow_sessions_down_the_tiers(trace):
 def test_figures_draw_what_they_are_given(trace):
     figure = viz.hierarchy_figure(trace["frames"])
     assert len(figure.frames) == len(trace["frames"])
-    assert len(figure.data[0].x) == len(trace["frames"][-1][1])
+    fullest = max(len(rows) for _, rows in trace["frames"])  # it opens on the fullest frame
+    assert len(figure.data[0].x) == fullest > 0
+    opened = figure.layout.sliders[0].active
+    assert len(trace["frames"][opened][1]) == fullest
     widest = max(
         len([r for r in rows if r["tier"] == t])
         for _, rows in trace["frames"]

@@ -30,7 +30,9 @@ def _grid(rows: list[dict]) -> tuple[list[int], list[str], list[str]]:
 
 def hierarchy_figure(frames: list[tuple[str, list[dict]]]) -> go.Figure:
     """Blocks per tier, one square per block coloured by session, with a slider over
-    `frames` ((label, experiments.tiers.snapshot rows) recorded as sessions come and go)."""
+    `frames` ((label, experiments.tiers.snapshot rows) recorded as sessions come and go).
+    It opens on the frame holding the most blocks (the last is often empty: every session
+    ended)."""
     if not frames:
         raise ValueError("frames is empty: record at least one snapshot")
     sessions = sorted({r["session"] for _, rows in frames for r in rows})
@@ -45,13 +47,14 @@ def hierarchy_figure(frames: list[tuple[str, list[dict]]]) -> go.Figure:
     # One x-range for every frame (an animation keeps the first frame's range): from the
     # first block to the last of the fullest tier in any frame, half a block either side.
     widest = max(max(_grid(rows)[0], default=-1) + 1 for _, rows in frames)
-    figure = go.Figure(traces(frames[-1][1]))
+    fullest = max(range(len(frames)), key=lambda i: len(frames[i][1]))  # the first such
+    figure = go.Figure(traces(frames[fullest][1]))
     figure.frames = [go.Frame(data=traces(rows), name=label) for label, rows in frames]
     steps = [dict(method="animate", label=label, args=[[label], dict(mode="immediate",
              frame=dict(duration=0, redraw=True))]) for label, _ in frames]  # fmt: skip
     figure.update_layout(
         title="Where each cached block sits (colour: session; grey: none recorded)",
-        sliders=[dict(active=len(frames) - 1, steps=steps, currentvalue=dict(prefix="after "))],
+        sliders=[dict(active=fullest, steps=steps, currentvalue=dict(prefix="after "))],
         yaxis=dict(  # every tier's row in every frame, even a tier no frame fills
             categoryorder="array",
             categoryarray=TIER_ROWS[::-1],
