@@ -397,15 +397,19 @@ def _move_first_control(page, cell) -> str:
 
 
 def _click_plotly_slider(page, cell) -> str:
-    """Click the rail of the cell's first plotly slider, three quarters along."""
+    """Click the rail of the cell's first plotly slider three quarters along, or a quarter
+    along where the slider already stood three quarters along."""
     rail = cell.locator(".slider-container .slider-rail-touch-rect").first
     rail.scroll_into_view_if_needed()
     label = cell.locator(".slider-group > text.slider-label").first  # its current value
     before = label.text_content() if label.count() else ""
     box = rail.bounding_box()
-    page.mouse.click(box["x"] + 0.75 * box["width"], box["y"] + box["height"] / 2)
-    time.sleep(0.5)
-    after = label.text_content() if label.count() else ""
+    for along in (0.75, 0.25):
+        page.mouse.click(box["x"] + along * box["width"], box["y"] + box["height"] / 2)
+        time.sleep(0.5)
+        after = label.text_content() if label.count() else ""
+        if after != before:
+            break
     return f"plotly slider {before!r} -> {after!r}"
 
 
