@@ -10,8 +10,9 @@ STAMP := $(VENV)/.kvlab-installed
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # make test runs on every core: pytest-xdist workers, each a test module or a notebook at
-# a time (--dist loadfile; tests/conftest.py puts the long ones first); TEST_WORKERS=0 runs
-# everything in one process.
+# a time (--dist loadfile; tests/conftest.py puts the long ones first, and
+# --no-loadscope-reorder keeps that order instead of xdist's most-tests-first);
+# TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= auto
 # vLLM, kvlab's peer and oracle (kvlab/experiments/vllm_peer.py), lives in a venv of its
 # own: it pins a transformers kvlab's venv cannot have. A machine with nvidia-smi gets
@@ -109,7 +110,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 test: lint browser peers grading
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_vs_hf.py
