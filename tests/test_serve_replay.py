@@ -39,7 +39,9 @@ def test_replay_matches_in_process_and_reads_the_servers_metrics(tiny_model):
     assert row["prefix_queries"] == sum(len(r.prompt) for r in requests)
     assert row["prefix_hits"] == sum(r.cached_tokens for r in result.requests)
     assert row["prefix_hits"] % 16 == 0 and row["preemptions"] == 0
-    assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] > 0 and result.samples
+    assert row["ttft_p50_s"] > 0 and result.samples
+    # Chunks read in one burst (a busy machine) are microseconds apart, 0.0 at 4 decimals.
+    assert 0 <= row["itl_p50_s"] <= row["itl_p99_s"] and row["e2e_p50_s"] > 0
     assert 0 <= row["peak_kv_usage"] <= 1
 
     with pytest.raises(ValueError, match="token ids"):
