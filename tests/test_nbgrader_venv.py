@@ -30,17 +30,8 @@ def test_the_nbgrader_workflow_passes_in_the_grading_venv():
     for name in [n for n in env if n.startswith("PYTEST_")]:  # not an xdist worker there
         env.pop(name)
     result = subprocess.run(
-        [
-            str(python),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            str(REPO / "tests" / "test_labs_nbgrader.py"),
-        ],  # fmt: skip
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+        + [str(REPO / "tests" / "test_labs_nbgrader.py")],
         cwd=REPO,
         env=env,
         capture_output=True,
