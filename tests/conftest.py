@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,7 @@ if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(SHARE)
 
 BROWSER_TEST = "tests/test_browser.py"
+CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/lib/chromium/chromium")
 # The longest units of work go first, so that no worker is left with one of them at the
 # end: the browser test's notebooks, every notebook under nbval (each group slowest first,
 # by the wall times `make notebook-times` saved), then these modules (pytest --durations).
@@ -59,8 +61,43 @@ def _notebook_seconds() -> dict[str, float]:
     return {Path(row["notebook"]).name: float(row["wall_s"]) for row in rows}
 
 
+def browser_can_run() -> bool:
+    """Whether tests/test_browser.py can run here: Debian's chromium and playwright."""
+    return Path(CHROMIUM).exists() and importlib.util.find_spec("playwright") is not None
+
+
+def _run_once(config, items) -> None:
+    """A notebook the browser test runs is not run by nbval again.
+
+    The browser test's Run All is checked with nbval's own comparison (tests/nbval_check.py),
+    so nbval's items for that notebook would only execute it a second time. Where the
+    browser test cannot run, or is not selected, nbval runs the notebook as usual.
+    """
+    if not browser_can_run():
+        return
+    in_browser = {
+        item.callspec.params["name"]
+        for item in items
+        if item.nodeid.startswith(BROWSER_TEST + "::")
+    }
+    notebooks = Path(__file__).parents[1] / "notebooks"
+    twice = [
+        item
+        for item in items
+        if item.path.suffix == ".ipynb"
+        and item.path.parent == notebooks
+        and item.path.name in in_browser
+    ]
+    if twice:
+        config.hook.pytest_deselected(items=twice)
+        items[:] = [item for item in items if item not in set(twice)]
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    """The long units of work first (xdist hands them out in collection order)."""
+    """Each notebook run once, and the long units of work first (xdist hands them out in
+    collection order)."""
+    _run_once(config, items)
     seconds = _notebook_seconds()
 
     def rank(item) -> tuple[int, float]:

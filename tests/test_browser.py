@@ -6,6 +6,9 @@ so a new notebook is covered as it lands): it starts JupyterLab on 127.0.0.1 (a 
 a token), opens the notebook, runs Run > Run All Cells, waits for the kernel to go idle,
 saves the notebook from the browser, and checks that
 - no cell shows a traceback and the saved file records no error;
+- the saved outputs equal the committed ones as nbval judges them (tests/nbval_check.py:
+  nbval's comparison, markers and notebooks/sanitize.cfg), so this run is also the
+  notebook's nbval run (tests/conftest.py leaves nbval's own second run of it out);
 - every plotly figure the saved file records (plain, or the figure of a widget app) was
   drawn on the page (an svg.main-svg in it);
 - in every widget app (each ipywidgets output), moving its first control (a slider with
@@ -51,11 +54,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import CHROMIUM
+from nbval_check import output_differences
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 NOTEBOOKS = ROOT / "notebooks"
 SCREENSHOTS = ROOT / "docs" / "screenshots"
-CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/lib/chromium/chromium")
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-background-networking",
@@ -451,9 +455,10 @@ def _check_animation(page, cell) -> str:
     return moved
 
 
-def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path) -> str:
-    """Open `name`, Run All, check for errors and drawn figures, move every app's first
-    control and every animation's slider, see each figure redraw; take the screenshot."""
+def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path, config) -> str:
+    """Open `name`, Run All, check for errors, nbval's verdict on the outputs (`config`:
+    pytest's) and drawn figures, move every app's first control and every animation's
+    slider, see each figure redraw; take the screenshot."""
     started = time.monotonic()
     page = browser.new_page(viewport={"width": 1600, "height": 1800})
     try:
@@ -474,6 +479,9 @@ def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path) -
         errors = _errors(nb)
         assert not errors, "cells raised errors:\n" + "\n".join(errors)
         assert all(p.strip("[]: ").isdigit() for p in prompts), f"cells not run: {prompts}"
+        committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+        differences = output_differences(nb, committed, config)
+        assert not differences, "nbval: " + "\n\n".join(differences)
         figures = _check_figures_drawn(page, nb)
         assert figures, "the notebook draws no plotly figure"
 
@@ -506,7 +514,7 @@ def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path) -
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_and_its_widgets_redraw_in_a_real_browser(lab, name):
+def test_notebook_runs_and_its_widgets_redraw_in_a_real_browser(lab, name, pytestconfig):
     server, browser = lab
     screenshot = SCREENSHOTS / SCREENSHOT_NAMES.get(name, f"{Path(name).stem}.png")
-    print(check_in_browser(server, browser, name, screenshot))
+    print(check_in_browser(server, browser, name, screenshot, pytestconfig))
