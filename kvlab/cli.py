@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     prof.add_argument("--budget", default=None, help="KV budget; default: the whole workload")
     prof.add_argument("--save", default=None, metavar="PATH", help="save steps + floor as JSON")
+    prof.add_argument(
+        "--peer",
+        default=None,
+        choices=["vllm"],
+        help="also profile vLLM on the same tokens and threads (needs `make peers`)",
+    )
     prof.set_defaults(run=run_profile)
 
     plan = commands.add_parser("plan", help="capacity planner: how many sequences fit")
@@ -405,9 +412,13 @@ def run_profile(args: argparse.Namespace) -> int:
         for phase in ("prefill", "mixed", "decode")
         if (steps["phase"] == phase).any()
     }
+    vllm = _profile_vllm(args, model, prompts, [r.max_new_tokens for r in requests], budget)
     if args.save:
+        saved = {"steps": steps.to_dict("records"), "floor": floor.to_json()}
+        if vllm is not None:
+            saved["vllm"] = vllm
         with open(args.save, "w") as f:
-            json.dump({"steps": steps.to_dict("records"), "floor": floor.to_json()}, f, indent=1)
+            json.dump(saved, f, indent=1)
     if args.json:
         out = {phase: t.round(3).to_dict("index") for phase, t in tables.items()}
         print(json.dumps({"parts": out, "floor": floor.to_json()}, indent=2))
@@ -426,7 +437,46 @@ def run_profile(args: argparse.Namespace) -> int:
         f"{floor.gflop:.2f} GFLOP / {rates.matmul_gflop_s:.0f} GFLOP/s matmul rate = "
         f"{floor.compute_ms:.1f} ms; {rates.threads} torch threads)"
     )
+    if vllm is not None:
+        _print_vllm_profile(steps, vllm)
     return 0
+
+
+def _profile_vllm(args, model, prompts, max_new_tokens, budget) -> dict | None:
+    """vLLM's profiled run of the same tokens, with kvlab's torch threads (--peer vllm)."""
+    if args.peer != "vllm":
+        return None
+    import torch
+
+    from kvlab.experiments.vllm_bench import VllmBenchSide
+
+    threads = torch.get_num_threads()
+    if not args.quiet:
+        print(f"vllm: starting its engine in one process, {threads} threads", file=sys.stderr)
+    side = VllmBenchSide.start(model, prompts, max_new_tokens, budget, threads=threads, inproc=True)
+    try:
+        run = side.run(prompts, max_new_tokens, profile=True)
+        return {"meta": side.meta(), "run": dataclasses.asdict(run)}
+    finally:
+        side.close()
+
+
+def _print_vllm_profile(steps, saved: dict) -> None:
+    from kvlab.experiments.peer_profile import parts_table_vs_vllm, phase_table
+    from kvlab.experiments.vllm_peer import VllmRun
+
+    run = VllmRun(**saved["run"])
+    meta = saved["meta"]
+    print(
+        f"\nkvlab beside vLLM {meta['version']} ({meta['mode']}, "
+        f"VLLM_CPU_OMP_THREADS_BIND={meta['VLLM_CPU_OMP_THREADS_BIND']}), same tokens:"
+    )
+    print(phase_table(steps, run).round(2).to_string())
+    print("\nseconds per part (vLLM: its operators' self time under torch's profiler):")
+    print(parts_table_vs_vllm(steps, run).round(2).to_string())
+    print("\nvLLM's costliest operators (self ms):")
+    for op in run.ops[:12]:
+        print(f"  {op['self_ms']:9.0f}  {op['calls']:7d} calls  {op['op']}")
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -31,6 +31,8 @@ from kvlab.experiments.vllm_peer import (
 from kvlab.model.loading import LoadedModel
 from kvlab.units import round_up
 
+MULTIPROCESS = "multiprocess (front end, engine core, model worker)"  # vLLM's default
+
 
 @dataclass
 class VllmBenchSide:
@@ -51,12 +53,14 @@ class VllmBenchSide:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
         threads: int | None = None,
+        inproc: bool = False,
     ) -> VllmBenchSide:
         """Start the worker and build vLLM's engine for this workload (not timed).
 
         threads: None for vLLM's own binding ("auto": its model worker's OpenMP threads
         on all cores of a NUMA node but one, kept for its engine core), else N for
         VLLM_CPU_OMP_THREADS_BIND=0-(N-1).
+        inproc: the whole engine in the worker process (what a profile needs).
         """
         block = VLLM_BLOCK_SIZE
         longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
@@ -71,7 +75,7 @@ class VllmBenchSide:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        peer = VllmPeer(threads=threads)
+        peer = VllmPeer(threads=threads, inproc=inproc)
         try:
             engine = peer.start(args)
         except BaseException:
@@ -79,16 +83,21 @@ class VllmBenchSide:
             raise
         return cls(peer, engine, args, kv_bytes > budget_bytes)
 
-    def run(self, prompts: list[list[int]], max_new_tokens: list[int]) -> VllmRun:
-        """All requests at once, greedy, exact lengths, from an empty prefix cache."""
-        return self.peer.run(prompts, max_new_tokens, arrival="together", reset_prefix_cache=True)
+    def run(
+        self, prompts: list[list[int]], max_new_tokens: list[int], profile: bool = False
+    ) -> VllmRun:
+        """All requests at once, greedy, exact lengths, from an empty prefix cache;
+        profile: with torch's profiler (a side started with inproc=True)."""
+        return self.peer.run(
+            prompts, max_new_tokens, arrival="together", reset_prefix_cache=True, profile=profile
+        )
 
     def meta(self) -> dict:
         """What the bench's meta records about vLLM."""
         return {
             "version": self.engine.vllm_version,
             "load_s": round(self.engine.load_s, 2),
-            "mode": "multiprocess (front end, engine core, model worker)",
+            "mode": "one process" if self.peer.inproc else MULTIPROCESS,
             "VLLM_CPU_OMP_THREADS_BIND": self.peer.threads_bind,
             "omp_core_ids": self.engine.omp_core_ids,
             "dtype": self.engine_args["dtype"],

@@ -26,7 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvlab
@@ -127,6 +127,8 @@ class VllmRun:
     drafts: int = 0  # speculative verifications (engine args with a speculative_config)
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    step_rows: list[dict] = field(default_factory=list)  # step_ms, running, prompt/gen tokens
+    ops: list[dict] = field(default_factory=list)  # op, calls, self_ms (with profile=True)
 
     @property
     def cpu_percent(self) -> float:
@@ -193,19 +195,24 @@ class VllmPeer:
         max_new_tokens: list[int],
         arrival: str = "together",
         reset_prefix_cache: bool = True,
+        profile: bool = False,
     ) -> VllmRun:
         """Greedy, EOS ignored: each prompt gets exactly its max_new_tokens.
 
         arrival: "together" (all added, then stepped until done) or "one-by-one" (each
         added once the one before has finished; the prefix cache carries over).
         reset_prefix_cache: start from an empty prefix cache (a fresh engine's state).
+        profile: record the run with torch's profiler (a peer made with inproc=True) and
+        return its costliest operators in `ops`.
         """
+        if profile and not self.inproc:
+            raise ValueError("profile=True needs VllmPeer(inproc=True): the engine in one process")
         if len(prompts) != len(max_new_tokens):
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         rows = [
             {"token_ids": list(p), "max_tokens": int(n)} for p, n in zip(prompts, max_new_tokens)
         ]
-        command = {"cmd": "run", "prompts": rows, "arrival": arrival}
+        command = {"cmd": "run", "prompts": rows, "arrival": arrival, "profile": profile}
         answer = self._ask(command | {"reset_prefix_cache": reset_prefix_cache})
         outputs = answer["outputs"]
         return VllmRun(
@@ -221,6 +228,8 @@ class VllmPeer:
             drafts=answer["drafts"],
             drafted=answer["drafted"],
             accepted=answer["accepted"],
+            step_rows=answer["step_rows"],
+            ops=answer["ops"],
         )
 
     def stop(self) -> None:

@@ -10,9 +10,11 @@ each answer leaves as one JSON line on stdout; everything vLLM prints goes to LO
         -> {"vllm_version", "load_s", "num_blocks", "block_size", "logged_kv_tokens",
             "omp_core_ids"}
     {"cmd": "run", "prompts": [{"token_ids": [...], "max_tokens": n}, ...],
-     "arrival": "together" | "one-by-one", "reset_prefix_cache": true}
+     "arrival": "together" | "one-by-one", "reset_prefix_cache": true, "profile": false}
         -> {"run_s", "cpu_s", "steps", "peak_running", "peak_waiting", "preemptions",
             "prefix_queries", "prefix_hits", "drafts", "drafted", "accepted",
+            "step_rows": [{"step_ms", "running", "prompt_tokens", "generation_tokens"}, ...],
+            "ops": [{"op", "calls", "self_ms"}, ...],
             "outputs": [{"token_ids", "num_cached_tokens", "num_preemptions"}, ...]}
     {"cmd": "stop"}  -> {} (the engine shuts down; a new "start" may follow)
 A failed command answers {"error": "...", "traceback": "..."}; end of input ends the worker.
@@ -22,7 +24,10 @@ answers compare token for token with kvlab's. Peak running requests and preempti
 come from a stat logger that vLLM calls once per engine step (SchedulerStats,
 IterationStats); a request's prefix-hit tokens from RequestOutput.num_cached_tokens;
 with a `speculative_config` engine argument, drafted and accepted tokens from
-SchedulerStats.spec_decoding_stats.
+SchedulerStats.spec_decoding_stats. Each step's wall time and the prompt and generated
+tokens it completed make `step_rows`; with "profile" (an engine in this process:
+VLLM_ENABLE_V1_MULTIPROCESSING=0) torch's profiler records the run and `ops` holds the
+operators that took the most CPU time (self time, not counting the ops they call).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def step_logger_class():
                                accepted=spec.num_accepted_tokens)  # fmt: skip
             if iteration_stats is not None:
                 row["preempted"] = iteration_stats.num_preempted_reqs
+                row["prompt_tokens"] = iteration_stats.num_prompt_tokens
+                row["generation_tokens"] = iteration_stats.num_generation_tokens
                 for done in iteration_stats.finished_requests:
                     FINISHED[done.request_id.split("-")[0]] = done.num_preemptions
             STEPS.append(row)
@@ -121,7 +128,40 @@ def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
     }
 
 
-def run(engine, prompts: list[dict], arrival: str, reset_prefix_cache: bool) -> dict:
+TOP_OPS = 40  # operators kept from a profile, by self CPU time
+STEP_KEYS = ("running", "prompt_tokens", "generation_tokens")  # kept per step
+
+
+def profiled(enabled: bool):
+    """torch's CPU profiler where `enabled` (the engine must run in this process), else a
+    context that records nothing."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise ValueError(
+            "profile needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU])
+
+
+def top_ops(prof) -> list[dict]:
+    """The profile's operators by self CPU time, most first."""
+    if prof is None:
+        return []
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [
+        {"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
+        for e in events[:TOP_OPS]
+    ]
+
+
+def run(
+    engine, prompts: list[dict], arrival: str, reset_prefix_cache: bool, profile: bool = False
+) -> dict:
     from vllm import SamplingParams
 
     if arrival not in ("together", "one-by-one"):
@@ -132,18 +172,25 @@ def run(engine, prompts: list[dict], arrival: str, reset_prefix_cache: bool) -> 
     groups = [every] if arrival == "together" else [[i] for i in every]
     first_step, outputs, steps = len(STEPS), {}, 0
     FINISHED.clear()
+    step_rows = []
     cpu0, began = cpu_seconds(), time.perf_counter()
-    for group in groups:
-        for i in group:
-            params = SamplingParams(
-                max_tokens=int(prompts[i]["max_tokens"]), temperature=0.0, ignore_eos=True
-            )
-            engine.add_request(f"r{i}", {"prompt_token_ids": list(prompts[i]["token_ids"])}, params)
-        while engine.has_unfinished_requests():
-            steps += 1
-            for out in engine.step():
-                if out.finished:  # vLLM appends "-<random>" to the ids it is given
-                    outputs[int(out.request_id.split("-")[0][1:])] = out
+    with profiled(profile) as prof:
+        for group in groups:
+            for i in group:
+                params = SamplingParams(
+                    max_tokens=int(prompts[i]["max_tokens"]), temperature=0.0, ignore_eos=True
+                )
+                ids = list(prompts[i]["token_ids"])
+                engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+            while engine.has_unfinished_requests():
+                steps += 1
+                logged, step_began = len(STEPS), time.perf_counter()
+                for out in engine.step():
+                    if out.finished:  # vLLM appends "-<random>" to the ids it is given
+                        outputs[int(out.request_id.split("-")[0][1:])] = out
+                ms = 1e3 * (time.perf_counter() - step_began)
+                row = STEPS[-1] if len(STEPS) > logged else {}  # what vLLM logged for it
+                step_rows.append({"step_ms": ms, **{k: row.get(k, 0) for k in STEP_KEYS}})
     run_s, cpu_s = time.perf_counter() - began, cpu_seconds() - cpu0
     rows = STEPS[first_step:]
     return {
@@ -158,6 +205,8 @@ def run(engine, prompts: list[dict], arrival: str, reset_prefix_cache: bool) -> 
         "drafts": sum(r.get("drafts", 0) for r in rows),  # speculative verifications
         "drafted": sum(r.get("drafted", 0) for r in rows),
         "accepted": sum(r.get("accepted", 0) for r in rows),
+        "step_rows": step_rows,
+        "ops": top_ops(prof),
         "outputs": [
             {
                 "token_ids": list(outputs[i].outputs[0].token_ids),
@@ -195,6 +244,7 @@ def serve(log_file: str) -> int:
                     command["prompts"],
                     command.get("arrival", "together"),
                     bool(command.get("reset_prefix_cache", True)),
+                    bool(command.get("profile", False)),
                 )
             elif kind == "stop":
                 if engine is not None:
