@@ -293,7 +293,7 @@ def _run_all(page) -> list[str]:
         busy = any("*" in p for p in prompts) or progress["status"] == "busy"
         ran = ran or busy or any(any(ch.isdigit() for ch in p) for p in prompts)
         calm = calm + 1 if ran and not busy else 0
-        if calm >= 3:  # idle for three polls in a row
+        if calm >= 3:  # idle for three polls in a row (no cell queued: no "*" prompt)
             return prompts
         if now - last_progress > CELL_TIMEOUT_S or now - started > RUN_ALL_TIMEOUT_S:
             raise AssertionError(
@@ -302,7 +302,7 @@ def _run_all(page) -> list[str]:
                 f"{CELL_TIMEOUT_S:.0f}, KVLAB_BROWSER_TIMEOUT={RUN_ALL_TIMEOUT_S:.0f}); "
                 f"prompts: {prompts}"
             )
-        time.sleep(1.0)
+        time.sleep(0.5)
 
 
 def _save(page, server: JupyterLab, name: str) -> nbformat.NotebookNode:

@@ -1,7 +1,9 @@
 """vLLM's n-gram speculative decoding on kvlab's prompts (kvlab.experiments.spec_vllm).
 
-Skipped where `make peers` cannot build `.venv-vllm`. One vLLM worker starts two engines
-(no speculation, then n-gram k = 2) on the embedded model, fp32, greedy, EOS ignored.
+Skipped where `make peers` cannot build `.venv-vllm`. One vLLM engine with n-gram k = 2
+on the embedded model, fp32, greedy, EOS ignored; its tokens are checked against kvlab's
+(tests/test_vllm_oracle.py checks vLLM's plain greedy tokens against kvlab's), so no
+second engine without speculation is started.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ def test_ngram_config_uses_vllms_names():
 
 def test_vllm_ngram_drafts_and_keeps_the_greedy_tokens(model):
     [request] = spec_workloads(model, 1, 0, 24)["doc-qa"]  # a 1,692-token document
-    plain, ngram = vllm_runs(model, "doc-qa", [request], (2,), 2, 4)
-    assert (plain.system, plain.k, ngram.method, ngram.k) == ("vllm", 0, "ngram", 2)
-    assert ngram.outputs == plain.outputs and len(plain.outputs[0]) == 24
+    [ngram] = vllm_runs(model, "doc-qa", [request], (2,), 2, 4, baseline=False)
+    assert (ngram.system, ngram.method, ngram.k) == ("vllm", "ngram", 2)
     assert 0 < ngram.accepted <= ngram.drafted  # an answer that quotes its document
-    assert ngram.decode_forwards < plain.decode_forwards == 23  # accepted drafts save forwards
-    # vLLM's greedy answer is kvlab's, token for token
+    # accepted drafts save forwards: one token per forward would take 23 after the prompt's
+    assert ngram.decode_forwards < 23
+    # vLLM's speculated greedy answer is kvlab's, token for token
     engine = kvlab.Engine(model, kvlab.EngineConfig(cache="paged", max_model_len=2048))
     params = kvlab.SamplingParams(max_new_tokens=24, ignore_eos=True)
     [ours] = engine.generate([list(request.prompt)], params)
-    assert ours.token_ids == plain.outputs[0]
+    assert ngram.outputs == [ours.token_ids] and len(ours.token_ids) == 24

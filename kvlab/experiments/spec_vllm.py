@@ -34,15 +34,17 @@ def vllm_runs(
     lookup_min: int,
     lookup_max: int,
     threads: int | None = None,
+    baseline: bool = True,
 ) -> list[SpecRun]:
-    """vLLM without speculation and with n-gram drafting at each k, batch 1."""
+    """vLLM without speculation (unless `baseline` is False) and with n-gram drafting at
+    each k, batch 1."""
     prompts = [list(r.prompt) for r in requests]
     new_tokens = [r.max_new_tokens for r in requests]
     longest = max(map(len, prompts)) + max(new_tokens) + max((*ks, 0)) + 1
     runs = []
-    for k in (0, *ks):  # a worker process per engine: vLLM's CPU build starts one engine
-        # per process cleanly (one started after two others in a process failed rebinding
-        # its kernels)
+    # A worker process per engine: vLLM's CPU build starts one engine per process cleanly
+    # (one started after two others in a process failed rebinding its kernels).
+    for k in ((0,) if baseline else ()) + tuple(ks):
         args = vllm_engine_args(model, kv_cache_bytes=2**28, max_model_len=longest)
         spec = ngram_config(k, lookup_min, lookup_max)
         with VllmPeer(threads=threads, inproc=True) as peer:
