@@ -1,12 +1,15 @@
 """kvlab's step profile beside vLLM's (kvlab.experiments.peer_profile): phases split where
 the last prompt is done, vLLM's operators counted under kvlab's parts, the rest
-unaccounted. vLLM's own profiled run is exercised by tests/test_vllm_bench.py."""
+unaccounted; and `kvlab profile --peer vllm` for real (skipped without `.venv-vllm`)."""
 
 from __future__ import annotations
+
+import json
 
 import pandas as pd
 import pytest
 
+from kvlab.cli import main
 from kvlab.experiments.peer_profile import (
     parts_table_vs_vllm,
     phase_table,
@@ -14,7 +17,8 @@ from kvlab.experiments.peer_profile import (
     vllm_parts,
 )
 from kvlab.experiments.step_profile import PARTS
-from kvlab.experiments.vllm_peer import VllmRun
+from kvlab.experiments.vllm_peer import VllmRun, vllm_missing
+from kvlab.workloads import encode_requests, uniform_chat, write_jsonl
 
 
 def _kvlab_steps(phases: list[str], step_ms: list[float]) -> pd.DataFrame:
@@ -84,3 +88,22 @@ def test_parts_add_up_to_the_wall_time():
     assert table.loc["whole run", "vLLM s"] == pytest.approx(1.0)
     assert table.loc["whole run", "kvlab s"] == pytest.approx(0.4)
     assert table.loc["matmuls", "kvlab s"] == pytest.approx(0.24)
+
+
+@pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
+def test_kvlab_profile_beside_vllm(model, tmp_path, capsys):
+    workload, saved = tmp_path / "chat.jsonl", tmp_path / "profile.json"
+    write_jsonl(encode_requests(model, uniform_chat(3, max_new_tokens=6)), workload)
+    argv = ["profile", "--workload", str(workload), "--peer", "vllm", "--quiet"]
+    assert main([*argv, "--save", str(saved)]) == 0
+    printed = capsys.readouterr().out
+    assert "kvlab beside vLLM" in printed and "whole run" in printed
+    vllm = json.loads(saved.read_text())["vllm"]
+    assert vllm["meta"]["mode"] == "one process"
+    run = VllmRun(**vllm["run"])
+    assert len(run.step_rows) == run.steps and sum(map(len, run.outputs)) == 18
+    assert sum(row["prompt_tokens"] for row in run.step_rows) == sum(
+        len(r.prompt) for r in encode_requests(model, uniform_chat(3, max_new_tokens=6))
+    )
+    seconds = vllm_parts(run)
+    assert seconds["matmuls"] > 0 and seconds["attention"] > 0  # its own kernels, named
