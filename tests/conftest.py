@@ -81,16 +81,16 @@ def _run_once(config, items) -> None:
         if item.nodeid.startswith(BROWSER_TEST + "::")
     }
     notebooks = Path(__file__).parents[1] / "notebooks"
-    twice = [
+    twice = {
         item
         for item in items
         if item.path.suffix == ".ipynb"
         and item.path.parent == notebooks
         and item.path.name in in_browser
-    ]
+    }
     if twice:
-        config.hook.pytest_deselected(items=twice)
-        items[:] = [item for item in items if item not in set(twice)]
+        config.hook.pytest_deselected(items=[item for item in items if item in twice])
+        items[:] = [item for item in items if item not in twice]
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
