@@ -416,7 +416,8 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.save:
         saved = {"steps": steps.to_dict("records"), "floor": floor.to_json()}
         if vllm is not None:
-            saved["vllm"] = vllm
+            meta, run = vllm
+            saved["vllm"] = {"meta": meta, "run": dataclasses.asdict(run)}
         with open(args.save, "w") as f:
             json.dump(saved, f, indent=1)
     if args.json:
@@ -438,12 +439,13 @@ def run_profile(args: argparse.Namespace) -> int:
         f"{floor.compute_ms:.1f} ms; {rates.threads} torch threads)"
     )
     if vllm is not None:
-        _print_vllm_profile(steps, vllm)
+        _print_vllm_profile(steps, *vllm)
     return 0
 
 
-def _profile_vllm(args, model, prompts, max_new_tokens, budget) -> dict | None:
-    """vLLM's profiled run of the same tokens, with kvlab's torch threads (--peer vllm)."""
+def _profile_vllm(args, model, prompts, max_new_tokens, budget):
+    """(meta, VllmRun): vLLM's profiled run of the same tokens, with kvlab's torch threads
+    (--peer vllm); None without --peer."""
     if args.peer != "vllm":
         return None
     import torch
@@ -455,18 +457,14 @@ def _profile_vllm(args, model, prompts, max_new_tokens, budget) -> dict | None:
         print(f"vllm: starting its engine in one process, {threads} threads", file=sys.stderr)
     side = VllmBenchSide.start(model, prompts, max_new_tokens, budget, threads=threads, inproc=True)
     try:
-        run = side.run(prompts, max_new_tokens, profile=True)
-        return {"meta": side.meta(), "run": dataclasses.asdict(run)}
+        return side.meta(), side.run(prompts, max_new_tokens, profile=True)
     finally:
         side.close()
 
 
-def _print_vllm_profile(steps, saved: dict) -> None:
+def _print_vllm_profile(steps, meta: dict, run) -> None:
     from kvlab.experiments.peer_profile import parts_table_vs_vllm, phase_table
-    from kvlab.experiments.vllm_peer import VllmRun
 
-    run = VllmRun(**saved["run"])
-    meta = saved["meta"]
     print(
         f"\nkvlab beside vLLM {meta['version']} ({meta['mode']}, "
         f"VLLM_CPU_OMP_THREADS_BIND={meta['VLLM_CPU_OMP_THREADS_BIND']}), same tokens:"
