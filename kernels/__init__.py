@@ -11,13 +11,18 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
     kv_codes.py          the codecs' bit layouts (kvlab.cache.codecs), in Triton and torch
     dispatch.py          Triton or torch
     cpu_decode.py        paged decode attention on the CPU: native C (cpu_decode.c), ctypes
+    cpu_prefill.py       prompt attention on the CPU: native C (cpu_prefill.c), ctypes
+    cpu_build.py         compiles and loads the native CPU kernels (and cpu_pool.c, their
+                         threads) as one library
 
 This package imports only torch and triton, so it loads on a GPU machine without the rest
 of kvlab's dependencies.
 """
 
 from .cache_write import kv_write_ref
-from .cpu_decode import cpu_decode_available, cpu_paged_decode_attention
+from .cpu_build import cpu_kernels_available
+from .cpu_decode import cpu_paged_decode_attention
+from .cpu_prefill import cpu_paged_prefill_attention
 from .decode_attention import auto_splits, paged_decode_attention_ref, walk
 from .dispatch import (
     choose_backend,
@@ -32,8 +37,9 @@ __all__ = [
     "SCALED",
     "auto_splits",
     "choose_backend",
-    "cpu_decode_available",
+    "cpu_kernels_available",
     "cpu_paged_decode_attention",
+    "cpu_paged_prefill_attention",
     "decode_ref",
     "encode_ref",
     "kv_write",

@@ -1,9 +1,8 @@
 /* Paged decode attention on the CPU: K/V read in place from the KV pool through slots.
  *
- * Plain C (GNU vector extensions, no torch headers): kernels/cpu_decode.py compiles it
- * once per machine with
- *     cc -O3 -march=native -shared -fPIC -pthread
- * and calls kvlab_paged_decode through ctypes.
+ * Plain C (GNU vector extensions, no torch headers; cpu_common.h): kernels/cpu_build.py
+ * compiles it once per machine and kernels/cpu_decode.py calls kvlab_paged_decode
+ * through ctypes.
  *
  * One task is one chunk of CHUNK positions of one sequence b, for all its heads: a slot's
  * K for every kv head (kv_heads * head_dim values) lies in one contiguous record, and so
@@ -32,58 +31,19 @@
  * use). head_dim 64, 96, 128 and 256 get their own fully unrolled copies.
  *
  * Threads: tasks are handed out from a shared atomic counter, so a thread that something
- * else slows down simply takes fewer of them. The calling thread works alongside helper
- * pthreads (not OpenMP: torch brings its own runtime) that are started on first need and
- * then sleep on a condition variable between calls, never spinning. A woken sleeper gets
- * the core sooner than a newly created thread, which matters because torch's OpenMP
- * threads keep spinning for a while after each matmul.
+ * else slows down simply takes fewer of them; the calling thread works alongside the
+ * helpers of cpu_pool.c.
  *
  * Dtypes: 0 float32, 1 bfloat16, 2 float16 (where the compiler has _Float16).
  * Returns 0, or a KVLAB_E* code.
  */
 
-#include <pthread.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "cpu_common.h"
 
-#if defined(__FLT16_MAX__)
-#define KVLAB_HAVE_F16 1
-#else
-#define KVLAB_HAVE_F16 0
-#endif
-
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-enum { KVLAB_OK = 0, KVLAB_EARG = 1, KVLAB_ELEN = 2, KVLAB_ESLOT = 3, KVLAB_ENOMEM = 4 };
-
-#define V 16                /* floats per vector */
 #define TILE 16             /* positions per step of both passes (the reduction needs 16) */
 #define CHUNK 256           /* positions per task; a multiple of TILE */
-#define MAX_HEAD_DIM 1024
-#define MAX_HEADS 4096
-#define MAX_THREADS 256
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
 #define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L2) */
-
-#if defined(__GNUC__)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE inline
-#endif
-
-typedef float vf __attribute__((vector_size(V * 4)));
-typedef int32_t vi __attribute__((vector_size(V * 4)));
-typedef uint32_t vu32 __attribute__((vector_size(V * 4)));
-typedef uint16_t vu16 __attribute__((vector_size(V * 2)));
-#if KVLAB_HAVE_F16
-typedef _Float16 vh16 __attribute__((vector_size(V * 2)));
-#endif
-
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
-#endif
 
 typedef struct {
     const void *q, *k, *v;
@@ -108,75 +68,6 @@ typedef struct {        /* one thread's scratch, all fp32 */
     float *acc;         /* (heads, head_dim) */
     float *scores;      /* (heads, CHUNK) */
 } Scratch;
-
-/* ---- element conversion --------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static int dtype_ok(int dtype) {
-    return dtype == DT_F32 || dtype == DT_BF16 || (dtype == DT_F16 && KVLAB_HAVE_F16);
-}
-
-/* Element i of an array of `dtype`, as fp32. */
-static ALWAYS_INLINE float load(const void *base, int dtype, int64_t i) {
-    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
-#if KVLAB_HAVE_F16
-    if (dtype == DT_F16) return (float)((const _Float16 *)base)[i];
-#endif
-    return ((const float *)base)[i];
-}
-
-/* Elements i .. i + V - 1 of an array of `dtype`, as fp32 (any alignment). */
-static ALWAYS_INLINE vf load_v(const void *base, int dtype, int64_t i) {
-    vf x;
-    if (dtype == DT_BF16) {
-        vu16 h;
-        memcpy(&h, (const uint16_t *)base + i, sizeof h);
-        vu32 u = __builtin_convertvector(h, vu32) << 16;
-        memcpy(&x, &u, sizeof x);
-    }
-#if KVLAB_HAVE_F16
-    else if (dtype == DT_F16) {
-        vh16 h;
-        memcpy(&h, (const _Float16 *)base + i, sizeof h);
-        x = __builtin_convertvector(h, vf);
-    }
-#endif
-    else
-        memcpy(&x, (const float *)base + i, sizeof x);
-    return x;
-}
-
-/* base[offset + i] = x[i] * mul for i < n, rounded to `dtype` (nearest even) */
-static void store(void *base, int dtype, int64_t offset, const float *restrict x, float mul,
-                  int n) {
-    if (dtype == DT_F32) {
-        float *dst = (float *)base + offset;
-        for (int i = 0; i < n; i++) dst[i] = x[i] * mul;
-    } else if (dtype == DT_BF16) {
-        uint16_t *dst = (uint16_t *)base + offset;
-        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(x[i] * mul);
-    }
-#if KVLAB_HAVE_F16
-    else if (dtype == DT_F16) {
-        _Float16 *dst = (_Float16 *)base + offset;
-        for (int i = 0; i < n; i++) dst[i] = (_Float16)(x[i] * mul);
-    }
-#endif
-}
 
 /* ---- vector helpers ----------------------------------------------------------------- */
 
@@ -214,33 +105,6 @@ static float max_of(const float *x, int n) {
     float m = lane[0];
     for (int i = 1; i < V; i++) m = lane[i] > m ? lane[i] : m;
     return m;
-}
-
-/* e^x, ~1 ulp for x in [-87, 88] (Cephes expf): x = n ln2 + r, |r| <= ln2 / 2,
- * e^x = 2^n e^r with a degree-7 polynomial for e^r. Below -87 it returns e^-87
- * (~1.6e-38), never a denormal; NaN stays NaN. Branch-free, so loops over it vectorise. */
-static inline float fast_exp(float x) {
-    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    float t = x * 1.44269504088896341f + round;
-    float n = t - round;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    uint32_t tb, round_bits, bits;
-    memcpy(&tb, &t, sizeof tb);
-    memcpy(&round_bits, &round, sizeof round_bits);
-    bits = (tb - round_bits + 127u) << 23; /* 2^n: the exponent field n + 127 */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
 }
 
 /* x[j] <- e^(x[j] - m) for j < n; returns the sum. */
@@ -457,67 +321,6 @@ static int take_tasks(Problem *p) {
     return KVLAB_OK;
 }
 
-/* The pool: helper threads, started on first need and kept, that sleep on `start` between
- * calls (no spinning: torch's threads run between calls). A sleeper woken by the OS runs
- * sooner than a freshly created thread, which waits behind whatever holds the core (such as
- * an OpenMP thread still spinning after torch's last matmul). One call at a time (`call`);
- * fork() waits for a running call, and the child starts with no helpers. */
-static struct {
-    pthread_mutex_t call, lock; /* lock guards the fields below */
-    pthread_cond_t start, done;
-    int helpers;                /* started so far */
-    int wanted, busy;           /* helpers in this call, and those still working on it */
-    uint64_t generation;        /* one per call */
-    uint64_t first_seen[MAX_THREADS]; /* a new helper's generation when it was started */
-    Problem *problem;
-    int status;
-} pool = {.call = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
-          .start = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
-static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-
-static void before_fork(void) { pthread_mutex_lock(&pool.call); }
-static void after_fork_parent(void) { pthread_mutex_unlock(&pool.call); }
-static void after_fork_child(void) { /* the helpers did not come along */
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.start, NULL);
-    pthread_cond_init(&pool.done, NULL);
-    pool.helpers = 0;
-    pthread_mutex_unlock(&pool.call);
-}
-static void pool_init(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
-
-static void *helper(void *arg) {
-    const int index = (int)(intptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    uint64_t seen = pool.first_seen[index];
-    for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
-        seen = pool.generation;
-        if (index >= pool.wanted) continue; /* not needed in this call */
-        Problem *p = pool.problem;
-        pthread_mutex_unlock(&pool.lock);
-        const int status = take_tasks(p);
-        pthread_mutex_lock(&pool.lock);
-        pool.status = pool.status ? pool.status : status;
-        if (--pool.busy == 0) pthread_cond_signal(&pool.done);
-    }
-    return NULL;
-}
-
-/* Starts helpers until there are `n` (fewer if the system says no); called under lock. */
-static void start_helpers(int n) {
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr)) return;
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    while (pool.helpers < n) {
-        pthread_t id;
-        pool.first_seen[pool.helpers] = pool.generation;
-        if (pthread_create(&id, &attr, helper, (void *)(intptr_t)pool.helpers)) break;
-        pool.helpers++;
-    }
-    pthread_attr_destroy(&attr);
-}
-
 static int thread_count(const Problem *p, int wanted) {
     int64_t work = 0;
     for (int b = 0; b < p->batch; b++) work += p->lens[b] * p->kv_heads;
@@ -526,27 +329,12 @@ static int thread_count(const Problem *p, int wanted) {
     return work < MIN_PARALLEL || n < 1 ? 1 : n;
 }
 
-/* Every task, on this thread and n - 1 helpers, taking them from a shared counter. */
+static int take_tasks_work(void *p) { return take_tasks((Problem *)p); }
+
+/* Every task, on this thread and n - 1 pool helpers, taking them from a shared counter. */
 static int run_all(Problem *p, int num_threads) {
     const int n = thread_count(p, num_threads);
-    if (n == 1) return take_tasks(p);
-    pthread_once(&pool_once, pool_init);
-    pthread_mutex_lock(&pool.call);
-    pthread_mutex_lock(&pool.lock);
-    start_helpers(n - 1);
-    pool.wanted = pool.busy = n - 1 < pool.helpers ? n - 1 : pool.helpers;
-    pool.problem = p;
-    pool.status = KVLAB_OK;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.start);
-    pthread_mutex_unlock(&pool.lock);
-    int status = take_tasks(p);
-    pthread_mutex_lock(&pool.lock);
-    while (pool.busy) pthread_cond_wait(&pool.done, &pool.lock);
-    status = status ? status : pool.status;
-    pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_unlock(&pool.call);
-    return status;
+    return n == 1 ? take_tasks(p) : kvlab_run_parallel(n, take_tasks_work, p);
 }
 
 /* The task list and the partial results' buffer, then every task, then the merges. */

@@ -22,7 +22,8 @@ import os
 
 import torch
 
-from .cpu_decode import cpu_decode_available, cpu_decode_error, cpu_paged_decode_attention
+from .cpu_build import cpu_kernels_available, cpu_kernels_error
+from .cpu_decode import cpu_paged_decode_attention
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 CPU_CODECS = (None, "fp16", "bf16")  # the stored floats the native CPU kernel reads
@@ -43,11 +44,11 @@ def choose_backend(device: torch.device | str, backend: str | None = None) -> st
     if choice == "auto":
         if kind == "cuda" and triton_available():
             return "triton"
-        return "cpu" if kind == "cpu" and cpu_decode_available() else "torch"
+        return "cpu" if kind == "cpu" and cpu_kernels_available() else "torch"
     if choice == "triton" and not triton_available():
         raise ValueError("backend 'triton' needs the triton package: pip install triton")
-    if choice == "cpu" and not (kind == "cpu" and cpu_decode_available()):
-        why = cpu_decode_error() if kind == "cpu" else f"tensors on {kind}, not the CPU"
+    if choice == "cpu" and not (kind == "cpu" and cpu_kernels_available()):
+        why = cpu_kernels_error() if kind == "cpu" else f"tensors on {kind}, not the CPU"
         raise ValueError(f"backend 'cpu' (the native CPU kernel) cannot run: {why}")
     return choice
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvlab.kernels import cpu_decode_available
+from kvlab.kernels import cpu_kernels_available
 
 import kvlab
 from kvlab.cache.pool import KVPool
@@ -21,7 +21,7 @@ from kvlab.model.cpu_attention import cpu_attention
 from kvlab.model.metadata import build_attention_metadata
 
 pytestmark = pytest.mark.skipif(
-    not cpu_decode_available(), reason="the native CPU kernel did not build (no C compiler?)"
+    not cpu_kernels_available(), reason="the native CPU kernel did not build (no C compiler?)"
 )
 BLOCK = 4
 # (cached tokens, new tokens, block table): decodes, a whole prompt, a prompt behind a

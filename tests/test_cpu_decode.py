@@ -14,8 +14,8 @@ import math
 
 import pytest
 import torch
-from kvlab.kernels import cpu_decode_available, cpu_paged_decode_attention
-from kvlab.kernels.cpu_decode import cpu_decode_error
+from kvlab.kernels import cpu_kernels_available, cpu_paged_decode_attention
+from kvlab.kernels.cpu_build import cpu_kernels_error
 
 BLOCK = 16
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -23,8 +23,8 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.fixture(autouse=True)
 def _needs_kernel():
-    if not cpu_decode_available():
-        pytest.skip(f"the CPU decode kernel is unavailable: {cpu_decode_error()}")
+    if not cpu_kernels_available():
+        pytest.skip(f"the CPU decode kernel is unavailable: {cpu_kernels_error()}")
 
 
 def reference(q, k_cache, v_cache, slots, lens, scale):

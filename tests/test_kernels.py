@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     choose_backend,
-    cpu_decode_available,
+    cpu_kernels_available,
     kv_write,
     kv_write_ref,
     kv_write_triton,
@@ -48,7 +48,7 @@ from kvlab.model.kernel_attention import KernelAttention, kernel_write, pool_lay
 from kvlab.model.metadata import build_attention_metadata  # noqa: E402
 from kvlab.units import ceil_div  # noqa: E402
 
-BACKENDS = ("torch", "triton") + (("cpu",) if cpu_decode_available() else ())
+BACKENDS = ("torch", "triton") + (("cpu",) if cpu_kernels_available() else ())
 
 CODECS = (None, "int8", "fp8_e4m3", "fp8_e5m2")
 FLOAT_CODECS = (None, "fp16", "bf16")
@@ -297,7 +297,7 @@ def test_kernel_write_goes_through_the_pool_layout():
 
 def test_dispatch(monkeypatch):
     monkeypatch.delenv("KVLAB_KERNELS", raising=False)
-    assert choose_backend("cpu") == ("cpu" if cpu_decode_available() else "torch")
+    assert choose_backend("cpu") == ("cpu" if cpu_kernels_available() else "torch")
     assert choose_backend("cuda") == "triton"
     assert choose_backend("cpu", "triton") == "triton"
     monkeypatch.setenv("KVLAB_KERNELS", "torch")

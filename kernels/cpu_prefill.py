@@ -1,0 +1,108 @@
+"""Prompt attention on the CPU: a native kernel for the new rows of one sequence.
+
+    out = cpu_paged_prefill_attention(q, k_cache, v_cache, slots, scale)
+
+q holds the Q newest positions of a sequence whose S = len(slots) positions are all in the
+pool (the new ones written already); row i, at position S - Q + i, attends causally to
+positions 0 .. S - Q + i. One call covers a whole prompt, a prompt behind a prefix hit and a
+later chunk of a chunked prefill.
+
+`cpu_prefill.c` packs the sequence's K (transposed) and V into fp32 buffers, each pool
+record read once, then runs flash attention in tasks of one kv head and 16 query positions,
+whose g = heads / kv_heads query heads share every K and V value: scores and weighted
+values in register tiles of 6 rows, the CPU's matmul rate where torch's CPU flash
+attention (with a (Q, S) mask for a prefix hit) reaches about half of it; an online
+softmax in fp32 with the polynomial e^x of the decode kernel. Tasks come from a shared
+counter on the calling thread and the library's helper pthreads (cpu_pool.c); they depend
+only on the shapes, so the output is bit-identical for any thread count.
+
+Shapes: q (Q, heads, head_dim) float32/bfloat16 (float16 where the compiler has _Float16),
+head_dim a multiple of 16; k_cache, v_cache (num_slots, kv_heads, head_dim), same dtypes,
+last dim contiguous (a layer view `storage[layer]` works); slots (S,) int64, S >= Q >= 1.
+Output (Q, heads, head_dim) in q's dtype. No autograd.
+
+This module imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_build import DTYPES, native_function, raise_for, rows_contiguous
+from .cpu_decode import check_q_and_caches
+
+ERRORS = {  # kvlab_paged_prefill's return codes
+    1: "invalid arguments",
+    2: "slots must cover q's rows: S >= Q >= 1",
+    3: "every slot must be in [0, num_slots)",
+}
+SIGNATURE = (
+    [ctypes.c_void_p] * 4  # q, k, v, out
+    + [ctypes.c_int] * 2  # dtype_q, dtype_kv
+    + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # slots, Q, S
+    + [ctypes.c_int64] * 5  # num_slots, k and v slot/head strides
+    + [ctypes.c_int] * 3  # heads, kv_heads, head_dim
+    + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
+)
+VECTOR = 16  # head_dim must be a multiple of it
+
+
+def prefill_fits(head_dim: int) -> bool:
+    """Whether the kernel takes this head size (a multiple of 16)."""
+    return head_dim % VECTOR == 0
+
+
+def cpu_paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of a sequence's Q newest rows over its S slots; see above.
+
+    out: where to write the result, a contiguous (Q, heads, head_dim) tensor of q's dtype
+    (a slice of the step's output rows saves a copy); None allocates one.
+    """
+    check_q_and_caches(q, k_cache, v_cache, scale, "Q", slots=slots)
+    rows, heads, head_dim = q.shape
+    if slots.dim() != 1 or not 1 <= rows <= slots.shape[0]:
+        raise ValueError(
+            f"slots must be (S,) with S >= Q >= 1; got {tuple(slots.shape)} for Q = {rows}"
+        )
+    if not prefill_fits(head_dim):
+        raise ValueError(f"head_dim must be a multiple of {VECTOR}; got {head_dim}")
+    kernel = native_function("kvlab_paged_prefill", SIGNATURE, q.dtype, k_cache.dtype)
+    q = q.detach().contiguous()
+    k_cache, v_cache = rows_contiguous(k_cache), rows_contiguous(v_cache)
+    slots = slots.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+    status = kernel(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        DTYPES[q.dtype],
+        DTYPES[k_cache.dtype],
+        slots.data_ptr(),
+        rows,
+        slots.shape[0],
+        k_cache.shape[0],
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        heads,
+        k_cache.shape[1],
+        head_dim,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    raise_for(status, "cpu_paged_prefill_attention", ERRORS)
+    return out
