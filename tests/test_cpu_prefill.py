@@ -11,11 +11,19 @@ register tile.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from kvlab.kernels import cpu_kernels_available, cpu_paged_prefill_attention
-from kvlab.kernels.cpu_build import cpu_kernels_error
+from kvlab.kernels import (
+    cpu_kernels_available,
+    cpu_paged_decode_attention,
+    cpu_paged_prefill_attention,
+)
+from kvlab.kernels.cpu_build import cpu_kernels_error, cpu_kernels_threads
 
 BLOCK = 16
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -141,3 +149,41 @@ def bad_inputs():
 def test_bad_inputs_raise(match, args):
     with pytest.raises(ValueError, match=match):
         cpu_paged_prefill_attention(*args, 0.125)
+
+
+OWN_THREADS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from kvlab.kernels.cpu_build import cpu_kernels_threads
+from test_cpu_prefill import both_kernels
+assert cpu_kernels_threads() == "own", cpu_kernels_threads()
+torch.save(both_kernels(), {path!r})
+"""
+
+
+def both_kernels():
+    """The prompt and decode kernels' outputs on one seeded case, on two threads."""
+    q, k, v, slots = paged_case(300, 200, 9, 3, 64, torch.float32, seed=12)
+    torch.set_num_threads(2)
+    prompt = cpu_paged_prefill_attention(q, k, v, slots, 0.125)
+    lens = torch.tensor([len(slots), 100, 457])
+    decode = cpu_paged_decode_attention(q[:3], k, v, slots.expand(3, -1), lens, 0.125)
+    return prompt, decode
+
+
+def test_torch_openmp_threads_and_our_own_give_the_same_bits(tmp_path):
+    """Where torch runs on OpenMP (Linux) the kernels run on its threads; with
+    KVLAB_CPU_THREADS=own on the library's pthreads. Either way, the same bits."""
+    if sys.platform == "linux" and torch.backends.openmp.is_available():
+        assert cpu_kernels_threads() == "openmp"
+    threads = torch.get_num_threads()
+    try:
+        here = both_kernels()
+    finally:
+        torch.set_num_threads(threads)
+    path = tmp_path / "own.pt"
+    code = OWN_THREADS.format(tests=str(Path(__file__).parent), path=str(path))
+    env = {**os.environ, "KVLAB_CPU_THREADS": "own"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    for mine, theirs in zip(here, torch.load(path)):
+        assert torch.equal(mine, theirs)
