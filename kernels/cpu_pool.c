@@ -7,12 +7,12 @@
  * measured here doubles a decode call that follows a matmul. Torch's threads instead take
  * the call at once.
  *
- * Without a runtime to share, a pool of our own: helper pthreads (not OpenMP: torch brings its own runtime) are started on first need and
- * kept; between calls they sleep on `start`, never spinning, since torch's threads run
- * between calls. A sleeper woken by the OS runs sooner than a freshly created thread, which
- * waits behind whatever holds the core (such as an OpenMP thread still spinning after
- * torch's last matmul). One call at a time (`call`); fork() waits for a running call, and
- * the child starts with no helpers.
+ * Without a runtime to share, a pool of our own: helper pthreads, started on first need
+ * and kept, that sleep on `start` between calls, never spinning, since torch's threads
+ * run between calls. A sleeper woken by the OS runs sooner than a freshly created thread,
+ * which waits behind whatever holds the core (such as an OpenMP thread still spinning
+ * after torch's last matmul). One call at a time (`call`); fork() waits for a running
+ * call, and the child starts with no helpers.
  */
 
 #include <pthread.h>
@@ -84,7 +84,9 @@ typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_th
                                  unsigned flags);
 static gomp_parallel_fn gomp_parallel;
 
-void kvlab_use_openmp(void *gomp_parallel_entry) { gomp_parallel = (gomp_parallel_fn)gomp_parallel_entry; }
+void kvlab_use_openmp(void *gomp_parallel_entry) {
+    gomp_parallel = (gomp_parallel_fn)gomp_parallel_entry;
+}
 
 typedef struct {
     kvlab_work work;

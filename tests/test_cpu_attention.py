@@ -1,9 +1,10 @@
 """KernelAttention's CPU path (kvlab.model.cpu_attention) equals the torch reference.
 
 Every kind of group on one paged pool with scrambled blocks, NaN in every slot no context
-owns: decodes, a whole prompt, a prompt behind a short cached prefix (split in two flash
-calls), one behind a long prefix (the reference's masked call), all in one mixed step;
-the same with a retention policy's dropped blocks; and the real model's greedy tokens.
+owns: decodes (the decode kernel), a whole prompt, a prompt behind a short cached prefix
+and one behind a long prefix (the prompt kernel), all in one mixed step; the same with a
+retention policy's dropped blocks; a head size off the prompt kernel's vectors (the
+reference's call); and the real model's greedy tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 BLOCK = 4
 # (cached tokens, new tokens, block table): decodes, a whole prompt, a prompt behind a
-# short prefix (Q > P: split), one behind a long prefix (Q < P: one masked call).
+# short prefix (Q > P), one behind a long prefix (Q < P).
 STEP = [
     (10, 1, [5, 2, 7]),
     (3, 1, [1]),
@@ -35,17 +36,17 @@ STEP = [
 ]
 
 
-def _pool(dtype: torch.dtype, codec=None) -> tuple[KVPool, torch.Generator]:
+def _pool(dtype: torch.dtype, codec=None, dim=16) -> tuple[KVPool, torch.Generator]:
     g = torch.Generator().manual_seed(3)
-    pool = KVPool(KVSpec(1, 2, 16), 16 * BLOCK, dtype, torch.device("cpu"), codec)
+    pool = KVPool(KVSpec(1, 2, dim), 16 * BLOCK, dtype, torch.device("cpu"), codec)
     every = torch.arange(pool.num_slots)
-    k, v = (torch.randn(pool.num_slots, 2, 16, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(pool.num_slots, 2, dim, generator=g).to(dtype) for _ in range(2))
     pool.write(0, every, k, v)
     return pool, g
 
 
-def _check(step, dtype, tol, codec=None):
-    pool, g = _pool(dtype, codec)
+def _check(step, dtype, tol, codec=None, dim=16):
+    pool, g = _pool(dtype, codec, dim)
     meta = build_attention_metadata(
         [s for s, _, _ in step], [n for _, n, _ in step], [t for *_, t in step], BLOCK, "cpu"
     )
@@ -53,7 +54,7 @@ def _check(step, dtype, tol, codec=None):
     unused = torch.ones(pool.num_slots, dtype=torch.bool)
     unused[used] = False
     pool.poison(unused.nonzero()[:, 0])  # NaN wherever no context reads
-    q = torch.randn(int(meta.positions.shape[0]), 6, 16, generator=g).to(dtype)
+    q = torch.randn(int(meta.positions.shape[0]), 6, dim, generator=g).to(dtype)
     expected = pooled_attention(q, 0, pool, meta, 0.25)
     got = cpu_attention(q, 0, pool, meta, 0.25)
     assert not got.isnan().any()
@@ -75,6 +76,10 @@ def test_every_group_kind_in_one_mixed_step(dtype, codec, tol):
 def test_dropped_blocks_of_a_retention_policy():
     step = [(12, 1, [5, DROPPED, 7, 2]), (8, 6, [9, DROPPED, 3, 12])]
     _check(step, torch.float32, dict(atol=2e-5, rtol=2e-5))
+
+
+def test_head_size_off_the_prompt_kernels_vectors():
+    _check(STEP, torch.float32, dict(atol=2e-5, rtol=2e-5), dim=12)
 
 
 def test_real_model_greedy_tokens_equal_the_torch_path(model):

@@ -1,0 +1,205 @@
+/* Register tiles for attention of many query rows at once: the inner loop of the prompt
+ * kernel (cpu_prefill.c), for a block of a prompt's rows.
+ *
+ * The rows lie side by side in vectors (lane r % 16 of vector r / 16; `stride` lanes per
+ * position in all). tiles_chunk runs one chunk of up to KC positions of flash attention:
+ *   scores   s[j][r] = qt[:, r] . k_j, in register tiles of MP positions x up to RV row
+ *            vectors: each K value, loaded where it lies in the pool (widened from bf16 or
+ *            fp16), is broadcast against the rows' query values for its dimension.
+ *   softmax  per row vector: lanes whose row ends at or before position c0 + j are masked
+ *            out; the running max grows to the chunk's, the running sum and the row's
+ *            accumulator are scaled by e^(old - new max), and s[j] becomes the weight
+ *            e^(s[j] - max) (fast_exp, 16 lanes at a time).
+ *   values   acc[r] += w[j][r] v_j, in register tiles of MR rows x 4 vectors of head_dim:
+ *            each V vector loaded from the pool once per tile, times MR broadcast weights.
+ * Both tiles keep their partial sums in registers, so the loop runs at the CPU's matmul
+ * rate. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
+ * and acc (0) for its rows, and reads max, sum and acc after its last chunk.
+ */
+
+#ifndef KVLAB_CPU_TILES_H
+#define KVLAB_CPU_TILES_H
+
+#include <math.h>
+
+#include "cpu_common.h"
+
+#define KC 256      /* positions per chunk */
+#define MP 6        /* positions per score tile */
+#define RV 4        /* row vectors per score tile, at most */
+#define MR 6        /* rows per value tile */
+
+typedef struct {      /* rows that attend together, and one thread's scratch for them */
+    int stride;       /* lanes per position: the rows, rounded up to vectors, then to MR */
+    float *qt;        /* (head_dim, stride): the rows' queries times scale, transposed */
+    float *s;         /* (KC, stride): scores, then weights */
+    float *acc;       /* (stride, head_dim) */
+    float *max, *sum; /* (stride,) */
+    int32_t *end;     /* (stride,): positions < end[r] are row r's context; 0 for padding */
+} Tiles;
+
+/* Lanes per position for up to `rows` rows. */
+static inline int tiles_stride(int rows) { return ((rows + V - 1) / V * V + MR - 1) / MR * MR; }
+
+/* Scratch for up to `rows` rows (all zero), or .qt NULL without memory; free(.qt) frees. */
+static inline Tiles tiles_new(int rows, int head_dim) {
+    const size_t lanes = (size_t)tiles_stride(rows), d = (size_t)head_dim;
+    /* zeroed: a value tile may read weight lanes past the rows (their accumulator rows are
+     * never read), which are 0 or an earlier chunk's finite weights */
+    float *buf = calloc(lanes * (2 * d + KC + 2) + lanes, sizeof(float));
+    Tiles w = {(int)lanes, buf};
+    if (buf) {
+        w.s = buf + lanes * d;
+        w.acc = buf + lanes * (d + KC);
+        w.max = buf + lanes * (2 * d + KC);
+        w.sum = buf + lanes * (2 * d + KC + 1);
+        w.end = (int32_t *)(buf + lanes * (2 * d + KC + 2));
+    }
+    return w;
+}
+
+/* ---- vector helpers ------------------------------------------------------------------ */
+
+static ALWAYS_INLINE vf vmax(vf a, vf b) {
+    const vi more = (vi)(a > b);
+    return (vf)(((vi)a & more) | ((vi)b & ~more));
+}
+
+/* e^x per lane, as fast_exp */
+static ALWAYS_INLINE vf fast_exp_v(vf x) {
+    const float round = 12582912.0f; /* 1.5 * 2^23 */
+    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
+    const vi below = (vi)(x < lo), above = (vi)(x > hi); /* NaN is neither: it stays */
+    x = (vf)(((vi)lo & below) | ((vi)hi & above) | ((vi)x & ~(below | above)));
+    const vf t = x * 1.44269504088896341f + round;
+    const vf n = t - round;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf e = (vf){0} + 1.9875691500e-4f;
+    e = e * r + 1.3981999507e-3f;
+    e = e * r + 8.3334519073e-3f;
+    e = e * r + 4.1665795894e-2f;
+    e = e * r + 1.6666665459e-1f;
+    e = e * r + 5.0000001201e-1f;
+    e = e * r * r + r + 1.0f;
+    vi round_bits;
+    const vf round_v = (vf){0} + round;
+    memcpy(&round_bits, &round_v, sizeof round_bits);
+    const vi bits = ((vi)t - round_bits + 127) << 23; /* 2^n */
+    return e * (vf)bits;
+}
+
+/* s[j + p][16 t ..] = k_(j + p) . qt[:, 16 (v0 + t) ..] for p < count positions (count <=
+ * MP), t < nv row vectors (nv <= RV) */
+static ALWAYS_INLINE void score_tile(const void *k, int stride, const float *qt, const int64_t *at,
+                                     int d, int dtype, float *s, int v0, int nv, int count) {
+    vf acc[MP][RV];
+    for (int m = 0; m < MP; m++)
+        for (int t = 0; t < RV; t++) acc[m][t] = (vf){0};
+    for (int c = 0; c < d; c++) {
+        vf q[RV];
+        for (int t = 0; t < nv; t++)
+            memcpy(&q[t], qt + c * stride + (v0 + t) * V, sizeof(vf));
+        for (int m = 0; m < MP; m++) {
+            const float x = load(k, dtype, at[m] + c);
+            for (int t = 0; t < nv; t++) acc[m][t] += x * q[t];
+        }
+    }
+    for (int m = 0; m < count; m++)
+        for (int t = 0; t < nv; t++)
+            memcpy(s + m * stride + (v0 + t) * V, &acc[m][t], sizeof(vf));
+}
+
+/* acc[r0 + r][c ..] += sum_{j < n} w[j][r0 + r] v_j[c ..] for MR rows, W vectors wide */
+static ALWAYS_INLINE void value_tile(const void *v_cache, int stride, const float *w,
+                                     const int64_t *at, int d, int dtype, float *acc, int r0,
+                                     int c, int n, int W) {
+    vf a[MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int t = 0; t < W; t++) memcpy(&a[r][t], acc + (r0 + r) * d + c + t * V, sizeof(vf));
+    for (int j = 0; j < n; j++) {
+        vf v[4];
+        for (int t = 0; t < W; t++) v[t] = load_v(v_cache, dtype, at[j] + c + t * V);
+        for (int r = 0; r < MR; r++) {
+            const float x = w[j * stride + r0 + r];
+            for (int t = 0; t < W; t++) a[r][t] += x * v[t];
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int t = 0; t < W; t++) memcpy(acc + (r0 + r) * d + c + t * V, &a[r][t], sizeof(vf));
+}
+
+/* The chunk's scores at positions c0 .. c0 + n - 1 become weights, row vector by row
+ * vector; each row's accumulator is scaled by e^(old max - new max) first. */
+static ALWAYS_INLINE void softmax_chunk(Tiles *w, int vectors, int c0,
+                                        int n, int d, int masked) {
+    for (int t = 0; t < vectors; t++) {
+        vf old_max, top, total = {0};
+        vi end;
+        memcpy(&old_max, w->max + t * V, sizeof old_max);
+        memcpy(&end, w->end + t * V, sizeof end);
+        top = old_max;
+        for (int j = 0; j < n; j++) {
+            vf x;
+            memcpy(&x, w->s + j * w->stride + t * V, sizeof x);
+            if (masked) {
+                const vi seen = (vi){0} + (c0 + j) < end;
+                x = (vf)(((vi)x & seen) | ((vi)old_max & ~seen)); /* never above the max */
+            }
+            top = vmax(x, top);
+        }
+        const vi empty = (vi)(top == -INFINITY); /* padding, or no position seen yet */
+        const vf base = (vf)((vi)top & ~empty);  /* 0 there: no NaN from -inf - -inf */
+        const vi had = (vi)(old_max > -INFINITY);
+        const vf factor = (vf)((vi)fast_exp_v(old_max - base) & had);
+        for (int j = 0; j < n; j++) {
+            vf x;
+            memcpy(&x, w->s + j * w->stride + t * V, sizeof x);
+            vi keep = ~empty;
+            if (masked) keep &= (vi){0} + (c0 + j) < end;
+            x = (vf)((vi)fast_exp_v(x - base) & keep);
+            memcpy(w->s + j * w->stride + t * V, &x, sizeof x);
+            total += x;
+        }
+        vf sum;
+        memcpy(&sum, w->sum + t * V, sizeof sum);
+        sum = sum * factor + total;
+        memcpy(w->sum + t * V, &sum, sizeof sum);
+        memcpy(w->max + t * V, &top, sizeof top);
+        for (int lane = 0; lane < V; lane++)
+            if (factor[lane] != 1.0f)
+                for (int c = 0; c < d; c++) w->acc[(t * V + lane) * d + c] *= factor[lane];
+    }
+}
+
+/* One chunk: positions c0 .. c0 + n - 1 (n <= KC) whose K and V records start at
+ * k_at[j] and v_at[j] (n of each), for the first `rows` rows; `masked` when some row ends
+ * inside the chunk. */
+static ALWAYS_INLINE void tiles_chunk(Tiles *w, const void *k, const void *v, int dtype,
+                                      const int64_t *k_at, const int64_t *v_at, int rows,
+                                      int c0, int n, int d, int masked) {
+    const int vectors = (rows + V - 1) / V, stride = w->stride;
+    for (int j = 0; j < n; j += MP) {
+        int64_t at[MP]; /* the tile's K records (the last position's past n) */
+        for (int m = 0; m < MP; m++) at[m] = k_at[j + m < n ? j + m : n - 1];
+        const int count = n - j < MP ? n - j : MP;
+        float *tile = w->s + j * stride;
+        for (int v0 = 0; v0 < vectors; v0 += RV) {
+            switch (vectors - v0) { /* a constant nv keeps the tile in registers */
+            case 1: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 1, count); break;
+            case 2: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 2, count); break;
+            case 3: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 3, count); break;
+            default: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, RV, count); break;
+            }
+        }
+    }
+    softmax_chunk(w, vectors, c0, n, d, masked);
+    for (int r0 = 0; r0 < rows; r0 += MR) {
+        int c = 0;
+        for (; c + 4 * V <= d; c += 4 * V)
+            value_tile(v, stride, w->s, v_at, d, dtype, w->acc, r0, c, n, 4);
+        for (; c < d; c += V) value_tile(v, stride, w->s, v_at, d, dtype, w->acc, r0, c, n, 1);
+    }
+}
+
+#endif
