@@ -155,6 +155,21 @@ def test_speculative_quick(tiny_model_path):
     assert [r["batch_size"] for r in runs if r["part"] == "batch"] == [1, 1, 2, 2]
 
 
+def test_cpu_kernels_quick():
+    """Both prompt shapes through the C kernel and torch, equal to 1e-5; the decode call on
+    torch's OpenMP threads here (Linux) and on the library's pthreads in the child."""
+    from kvlab.kernels import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.skip("the native CPU kernels did not build (no C compiler?)")
+    result = load_script("cpu_kernels").main(["--quick", "--threads", "2"])
+    assert [(r["cached"], r["new"]) for r in result["prompt"]] == [(0, 40), (60, 8)]
+    assert all(r["max_abs_diff"] < 1e-5 and r["kernel_ms"] > 0 for r in result["prompt"])
+    here, child = result["decode"]
+    assert child["threads"] == "own" and here["threads"] in ("openmp", "own")
+    assert all(d["decode_alone_ms"] > 0 for d in (here, child))
+
+
 def test_notebook_times_quick(tmp_path, capsys):
     """--quick times only a tiny notebook it writes itself: one row, the JSON on stdout,
     the progress line and the table on stderr."""

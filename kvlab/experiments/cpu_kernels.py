@@ -1,0 +1,134 @@
+"""The native CPU attention kernels against torch, on one model's attention shapes.
+
+    prompt_rows(cases)          each prompt kernel call against the torch reference's
+    decode_after_matmul()       a decode kernel call alone and right after a matmul
+
+Both build a paged pool with its blocks in random order and time calls alternately, best
+of `rounds`, so the two sides share the machine's state. benchmarks/cpu_kernels.py prints
+them.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+
+from kvlab.cache.pool import KVPool
+from kvlab.cache.spec import KVSpec
+from kvlab.model.attention import pooled_attention
+from kvlab.model.cpu_attention import cpu_attention
+from kvlab.model.metadata import build_attention_metadata
+
+BLOCK = 16
+SMOLLM2 = {"heads": 9, "kv_heads": 3, "head_dim": 64}  # SmolLM2-135M's attention
+
+
+def best_ms(fn, rounds: int) -> float:
+    """The fastest of `rounds` calls of fn, in milliseconds, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def mean_ms(fn, calls: int) -> float:
+    """The mean of `calls` back-to-back calls of fn, in milliseconds, after a warm-up."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return 1e3 * (time.perf_counter() - start) / calls
+
+
+def _pool(tokens: int, kv_heads: int, head_dim: int, seed: int) -> KVPool:
+    """A one-layer fp32 pool of `tokens` slots filled with Gaussian K/V."""
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(KVSpec(1, kv_heads, head_dim), tokens, torch.float32, torch.device("cpu"))
+    every = torch.arange(pool.num_slots)
+    k, v = (torch.randn(pool.num_slots, kv_heads, head_dim, generator=g) for _ in range(2))
+    pool.write(0, every, k, v)
+    return pool
+
+
+def prompt_rows(
+    cases: list[tuple[int, int]], heads=9, kv_heads=3, head_dim=64, rounds=5
+) -> list[dict]:
+    """For each (cached P, new Q): ms and GFLOP/s of one layer's prompt attention through
+    the C prompt kernel (kvlab.model.cpu_attention) and through the torch reference
+    (pooled_attention: scaled_dot_product_attention, causal, or masked after a prefix),
+    and the largest difference between them."""
+    rows = []
+    for seed, (cached, new) in enumerate(cases):
+        total = cached + new
+        blocks = -(-total // BLOCK)
+        pool = _pool((blocks + 4) * BLOCK, kv_heads, head_dim, seed)
+        table = torch.randperm(blocks + 4)[:blocks].tolist()
+        meta = build_attention_metadata([cached], [new], [table], BLOCK, "cpu")
+        q = torch.randn(new, heads, head_dim, generator=torch.Generator().manual_seed(seed))
+        scale = head_dim**-0.5
+        kernel = partial(cpu_attention, q, 0, pool, meta, scale)
+        reference = partial(pooled_attention, q, 0, pool, meta, scale)
+        diff = (kernel() - reference()).abs().max().item()
+        times = {"kernel": [], "torch": []}
+        for _ in range(rounds):  # alternated, so both see the same machine
+            times["kernel"].append(best_ms(kernel, 1))
+            times["torch"].append(best_ms(reference, 1))
+        flops = 4 * heads * head_dim * (new * cached + new * (new + 1) / 2)
+        kernel_ms, torch_ms = min(times["kernel"]), min(times["torch"])
+        rows.append(
+            {
+                "cached": cached,
+                "new": new,
+                "kernel_ms": round(kernel_ms, 3),
+                "torch_ms": round(torch_ms, 3),
+                "kernel_gflop_s": round(flops / kernel_ms / 1e6, 1),
+                "torch_gflop_s": round(flops / torch_ms / 1e6, 1),
+                "speedup": round(torch_ms / kernel_ms, 2),
+                "max_abs_diff": diff,
+            }
+        )
+    return rows
+
+
+def decode_after_matmul(
+    batch=32, context=1115, heads=9, kv_heads=3, head_dim=64, hidden=576, rounds=30
+) -> dict:
+    """One decode kernel call over `batch` sequences of `context` tokens: ms alone, and ms
+    right after a (batch, hidden) x (hidden, 3 hidden) matmul (the matmul's own time
+    taken off), as the runner calls it; means of `rounds` calls, the best of 3 repeats;
+    and whose threads ran it."""
+    from kvlab.kernels import cpu_paged_decode_attention
+    from kvlab.kernels.cpu_build import cpu_kernels_threads
+
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-context // BLOCK)
+    num_slots = (batch * blocks + 8) * BLOCK
+    k, v = (torch.randn(num_slots, kv_heads, head_dim, generator=g) for _ in range(2))
+    tables = torch.randperm(num_slots // BLOCK, generator=g)[: batch * blocks].view(batch, -1)
+    pos = torch.arange(context)
+    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK  # (B, S)
+    lens = torch.full((batch,), context)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    x, w = torch.randn(batch, hidden, generator=g), torch.randn(hidden, 3 * hidden, generator=g)
+    decode = partial(cpu_paged_decode_attention, q, k, v, slots, lens, head_dim**-0.5)
+    matmul = partial(torch.matmul, x, w)
+
+    def both():
+        matmul()
+        decode()
+
+    alone, after = [], []
+    for _ in range(3):
+        alone.append(mean_ms(decode, rounds))
+        after.append(mean_ms(both, rounds) - mean_ms(matmul, rounds))
+    return {
+        "threads": cpu_kernels_threads(),
+        "torch_threads": torch.get_num_threads(),
+        "decode_alone_ms": round(min(alone), 3),
+        "decode_after_matmul_ms": round(min(after), 3),
+    }
