@@ -77,9 +77,12 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 CONTROLS = ".widget-slider, .widget-dropdown"  # the kinds of control an app's first may be
 # JupyterLab user settings: every cell in the DOM (no windowing), no news or update
-# pop-ups over the screenshots.
+# pop-ups over the screenshots, and no autosave: on a busy machine an autosave's slow PUT
+# leaves the page's idea of the file's time behind the disk's, and the next save opens a
+# "File Changed" dialog over the page (jupyterlab#7743). The test saves once, with Ctrl+S.
 SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
         "fetchNews": "false",
         "checkForUpdates": False,
