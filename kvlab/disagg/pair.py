@@ -67,12 +67,20 @@ class Disaggregated:
             daemon=True,
         )
         self.worker.start()
+        child.close()  # the worker's end: closed here, a dead worker reads as EOF, not a hang
         self._expect("ready")
         self.prefill_blocks_held: int | None = None  # after close(): 0 means no leak
         weakref.finalize(self, _stop, self.worker, self.conn)
 
     def _expect(self, kind: str):
-        got, payload = self.conn.recv()
+        try:
+            got, payload = self.conn.recv()
+        except EOFError:
+            self.worker.join(timeout=5)
+            raise RuntimeError(
+                f"the prefill process exited (exit code {self.worker.exitcode}) before "
+                f"sending {kind!r}: its error is printed above"
+            ) from None
         if got != kind:
             raise RuntimeError(f"prefill process sent {got!r}, expected {kind!r}")
         return payload
