@@ -7,6 +7,7 @@ deterministic (counts, blocks, token equality), never on timings.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import os
@@ -217,6 +218,7 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
 NO_QUICK_YET = {"serve_soak", "serve_vs_vllm", "vllm_oracle"}
 
 
+@functools.cache  # two tests read each script's help: one subprocess (~3 s) serves both
 def script_help(name: str) -> str:
     """What `python benchmarks/<name>.py --help` prints (it must exit 0)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
