@@ -60,8 +60,9 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 runner = ModelRunner(model.hf_model)
-FULL_SIZE = False  # True: greedy agreement on all 64 chat prompts, 16 answered freely
-PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (24, 6)
+FULL_SIZE = False  # True: 1,024 tokens of prose; all 64 chat prompts, 16 answered freely
+PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (12, 4)
+TEXT_TOKENS = 1024 if FULL_SIZE else 512
 
 # %% [markdown]
 # ## 1 · Seven codecs, one interface
@@ -87,15 +88,15 @@ print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
 #
 # ## 2 · Real keys and values
 #
-# `quality.teacher_forced` feeds the first 1,024 tokens of kvlab's held-out prose through
-# kvlab's own forward pass in chunks of 128, like a chunked prefill: each chunk attends
-# to the K/V that earlier chunks wrote **through the codec**. The baseline and all seven
-# codecs run in lockstep on the same text. It also keeps the baseline's K and V (keys
+# `quality.teacher_forced` feeds the first `TEXT_TOKENS` (512; 1,024 at full size) tokens
+# of kvlab's held-out prose through kvlab's own forward pass in chunks of 128, like a
+# chunked prefill: each chunk attends to the K/V that earlier chunks wrote **through the
+# codec**. The baseline and all seven codecs run in lockstep on the same text. It also keeps the baseline's K and V (keys
 # after RoPE, as the cache stores them) for the plots below.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-ids = quality.heldout_ids(model, 1025)
+ids = quality.heldout_ids(model, TEXT_TOKENS + 1)
 start = time.perf_counter()
 forcing = quality.teacher_forced(runner, ids, chunk=128)
 print(f"{len(ids) - 1} tokens x 8 configurations in {time.perf_counter() - start:.0f} s")
@@ -146,7 +147,7 @@ CodecExplorer(forcing.k, forcing.v, codec="int4", layer=layer)
 # `quality.codec_report` adds to the teacher-forced scores:
 #
 # * **greedy agreement**: the paged engine answers the first `PROMPTS` of kvlab's 64 chat
-#   prompts greedily (to EOS, at most 48 tokens each: about 1,000 answer tokens for 24)
+#   prompts greedily (to EOS, at most 48 tokens each: about 500 answer tokens for 12)
 #   without a codec;
 #   then, at every step of those answers, does the codec pick the same greedy token given
 #   the same history? Each step reads its K/V back through the codec, as a decode step
