@@ -3,6 +3,7 @@
     python benchmarks/notebook_times.py                  # notebooks/NN_*.ipynb + the lab sources
     python benchmarks/notebook_times.py notebooks/01_why_a_kv_cache.ipynb --out times.json
     python benchmarks/notebook_times.py --quick          # a tiny notebook of its own, seconds
+    python benchmarks/notebook_times.py notebooks/04_quantized_kv.ipynb --out T.json --update
 
 Each notebook is copied to a temporary directory and executed there by a fresh kernel
 (the committed file is never written), with the notebook's own folder as the working
@@ -10,12 +11,15 @@ directory, so relative paths such as notebook 07's ../benchmarks/results still r
 A progress line per notebook goes to stderr as it finishes, then a table; the JSON on
 stdout (and in --out) holds per notebook: wall seconds (kernel start to last cell),
 code cells, ok or error (the first failing cell and its error), the slowest cell, and
-whether it ran ok within --budget seconds; plus the machine: architecture, CPU cores and
-the torch threads a kernel gets (set them with --threads or OMP_NUM_THREADS).
+whether it ran ok within --budget seconds, the date it ran and the load average then;
+plus the machine: architecture, CPU cores and the torch threads a kernel gets (set them
+with --threads or OMP_NUM_THREADS). --update re-times some notebooks: their new rows
+replace their old ones in --out, and every other row stays as it was measured.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -119,7 +123,7 @@ def time_notebook(
             resources={"metadata": {"path": str(path.parent)}},  # the working directory
         )
         code_cells = [c for c in nb.cells if c.cell_type == "code"]
-        status, error = "ok", None
+        status, error, load_at_start = "ok", None, os.getloadavg()[0]
         start = time.perf_counter()
         try:
             client.execute(env=env)
@@ -142,6 +146,8 @@ def time_notebook(
         name = path.name
     return {
         "notebook": name,
+        "measured": datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "load_average_at_start": round(load_at_start, 2),
         "wall_s": round(wall_s, 1),
         "cells": len(code_cells),
         "status": status,
@@ -149,6 +155,13 @@ def time_notebook(
         "slowest_cell": slowest,
         "error": error,
     }
+
+
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """`old`'s rows with those of the notebooks in `new` replaced (new ones appended)."""
+    fresh = {row["notebook"]: row for row in new}
+    kept = [fresh.pop(row["notebook"], row) for row in old]
+    return kept + list(fresh.values())
 
 
 def table(rows: list[dict], budget_s: float) -> str:
@@ -169,9 +182,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: every notebook")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds (default 180)")
     parser.add_argument("--cell-timeout", type=int, default=3000, help="seconds per cell")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other notebooks' rows already in --out")  # fmt: skip
     args = parser.parse_args(argv)
     if args.model:
         parser.error("--model does not apply: each notebook loads its own model")
+    if args.update and not (args.out and args.out.exists()):
+        parser.error("--update needs --out naming an existing table")
     env = kernel_env(args.threads)
     with tempfile.TemporaryDirectory(prefix="kvlab-nbtime-quick-") as tmp:
         if args.quick:
@@ -182,11 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
             "machine": machine(torch_threads(env)),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "budget_s": args.budget,
-            "notebooks": [],
         }
+        rows = []
         for i, path in enumerate(paths, start=1):
             row = time_notebook(path, env, args.budget, args.cell_timeout)
-            result["notebooks"].append(row)
+            rows.append(row)
             note = f" ({row['error']['message']})" if row["error"] else ""
             print(
                 f"[{i}/{len(paths)}] {row['notebook']}: {row['wall_s']:.1f} s, "
@@ -194,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
                 file=sys.stderr,
                 flush=True,
             )
-    rows = result["notebooks"]
+    if args.update:
+        rows = merged(json.loads(args.out.read_text())["notebooks"], rows)
+    result["notebooks"] = rows
     result["all_within_budget"] = all(r["within_budget"] for r in rows)
     print(table(rows, args.budget), file=sys.stderr, flush=True)
     return report(result, args.out)

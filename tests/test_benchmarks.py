@@ -184,7 +184,8 @@ def test_notebook_times_quick(tmp_path, capsys):
     assert re.fullmatch(r"\S+, \d+ cores, 1 torch threads", result["machine"])
     (row,) = result["notebooks"]
     assert set(row) == {
-        "notebook", "wall_s", "cells", "status", "within_budget", "slowest_cell", "error",
+        "notebook", "measured", "load_average_at_start", "wall_s", "cells", "status",
+        "within_budget", "slowest_cell", "error",
     }  # fmt: skip
     assert (row["notebook"], row["cells"], row["status"], row["error"]) == (
         "00_tiny.ipynb", 2, "ok", None,
@@ -192,6 +193,23 @@ def test_notebook_times_quick(tmp_path, capsys):
     assert 0 < row["wall_s"] <= result["budget_s"] == 180 and row["within_budget"] is True
     assert result["all_within_budget"] is True
     assert "[1/1] 00_tiny.ipynb:" in captured.err and "<= 180 s" in captured.err
+
+
+def test_notebook_times_update_replaces_only_the_rows_it_timed(tmp_path):
+    """--update keeps the other rows of --out as they were and replaces the timed one."""
+    out = tmp_path / "notebook_times.json"
+    row = {"cells": 1, "status": "ok", "within_budget": True}
+    old = [
+        {"notebook": "01_old.ipynb", "wall_s": 9.0, **row},
+        {"notebook": "00_tiny.ipynb", "wall_s": 0, **row},
+    ]
+    out.write_text(json.dumps({"notebooks": old}))
+    result = load_script("notebook_times").main(["--quick", "--out", str(out), "--update"])
+    first, tiny = result["notebooks"]
+    assert first == old[0] and tiny["notebook"] == "00_tiny.ipynb" and tiny["wall_s"] > 0
+    assert json.loads(out.read_text()) == result
+    with pytest.raises(SystemExit):  # nothing to update
+        load_script("notebook_times").main(["--quick", "--update"])
 
 
 def test_notebook_times_reports_errors_and_leaves_the_notebook(tmp_path):
