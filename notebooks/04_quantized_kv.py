@@ -91,8 +91,9 @@ print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
 # `quality.teacher_forced` feeds the first `TEXT_TOKENS` (512; 1,024 at full size) tokens
 # of kvlab's held-out prose through kvlab's own forward pass in chunks of 128, like a
 # chunked prefill: each chunk attends to the K/V that earlier chunks wrote **through the
-# codec**. The baseline and all seven codecs run in lockstep on the same text. It also keeps the baseline's K and V (keys
-# after RoPE, as the cache stores them) for the plots below.
+# codec**. The baseline and all seven codecs run in lockstep on the same text. It also
+# keeps the baseline's K and V (keys after RoPE, as the cache stores them) for the plots
+# below.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
