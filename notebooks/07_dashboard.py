@@ -242,15 +242,21 @@ with_vllm.figure().show()
 
 # %% [markdown]
 # A small live run proves the plumbing on your machine: four chat prompts, eight new
-# tokens each, every system, vLLM included where `make peers` has built it (its engine
-# takes about a minute to start on a 2-core CPU). Every system produces the same number
-# of tokens, and the greedy answers agree up to the first end-of-sequence token:
+# tokens each, every system, vLLM included where `make peers` has built it. vLLM runs
+# its whole engine in one process here (`vllm_inproc=True`: one import of vLLM instead of
+# three, so it starts in seconds, not half a minute; the saved runs above use its default
+# processes). Every system produces the same number of tokens, and the greedy answers
+# agree up to the first end-of-sequence token:
 
 # %%
 missing = vllm_missing()
 peers = DEFAULT_PEERS if missing else (*DEFAULT_PEERS, "vllm")
 live = run_bench(
-    model, workloads.uniform_chat(4, max_new_tokens=8), peers=peers, workload="uniform chat x 4"
+    model,
+    workloads.uniform_chat(4, max_new_tokens=8),
+    peers=peers,
+    workload="uniform chat x 4",
+    vllm_inproc=True,
 )
 agree = live.meta["greedy_match_to_first_eos"]
 for name in ("kvlab", *DEFAULT_PEERS):

@@ -210,6 +210,7 @@ def run_bench(
     progress: bool = False,
     workload: str = "custom",
     vllm_threads: int | None = None,
+    vllm_inproc: bool = False,
     **engine_options,
 ) -> BenchResult:
     """Run `requests` through kvlab (each config) and the peers; see the module doc.
@@ -224,6 +225,8 @@ def run_bench(
         hf_batch_size: hf-generate's static batch size; default `choose_batch_size`
             (16, or the largest padded batch that fits the budget).
         vllm_threads: vLLM's OpenMP threads (cores 0..N-1); None: vLLM's own binding.
+        vllm_inproc: vLLM's whole engine in one process (one import of vLLM instead of
+            three: it starts in ~10 s instead of ~25 s here; the meta's "mode" says which).
     """
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -265,6 +268,7 @@ def run_bench(
             first_config.max_num_seqs,
             step_tokens,
             vllm_threads,
+            inproc=vllm_inproc,
         )
 
     def run(name: str, reqs: list[Request], show: bool) -> SystemResult:
