@@ -14,24 +14,31 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
     cpu_prefill.py       prompt attention on the CPU: native C (cpu_prefill.c), ctypes
     cpu_build.py         compiles and loads the native CPU kernels (and cpu_pool.c, their
                          threads) as one library
+    _shadowed.py         imported as a bare `kernels` (Python started in the repository
+                         root), hands that name to the installed `kernels` package
 
 This package imports only torch and triton, so it loads on a GPU machine without the rest
 of kvlab's dependencies.
 """
 
-from .cache_write import kv_write_ref
-from .cpu_build import cpu_kernels_available
-from .cpu_decode import cpu_paged_decode_attention
-from .cpu_prefill import cpu_paged_prefill_attention
-from .decode_attention import auto_splits, paged_decode_attention_ref, walk
-from .dispatch import (
-    choose_backend,
-    kv_write,
-    kv_write_triton,
-    paged_decode_attention,
-    paged_decode_attention_triton,
-)
-from .kv_codes import SCALED, decode_ref, encode_ref
+if __name__ == "kernels":  # the repository root on sys.path: see _shadowed.py
+    from ._shadowed import load_installed
+
+    load_installed()
+else:
+    from .cache_write import kv_write_ref
+    from .cpu_build import cpu_kernels_available
+    from .cpu_decode import cpu_paged_decode_attention
+    from .cpu_prefill import cpu_paged_prefill_attention
+    from .decode_attention import auto_splits, paged_decode_attention_ref, walk
+    from .dispatch import (
+        choose_backend,
+        kv_write,
+        kv_write_triton,
+        paged_decode_attention,
+        paged_decode_attention_triton,
+    )
+    from .kv_codes import SCALED, decode_ref, encode_ref
 
 __all__ = [
     "SCALED",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,35 @@ def test_importing_the_kernels_loads_only_torch_and_triton():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+SHADOW_CHECK = """
+import importlib.metadata, sys
+try:
+    importlib.metadata.version("kernels")
+    installed = True
+except importlib.metadata.PackageNotFoundError:
+    installed = False
+try:
+    import kernels
+    print("installed" if installed and not kernels.__file__.startswith(sys.argv[1]) else kernels)
+except ImportError as error:
+    print("none" if not installed and "kvlab.kernels" in str(error) else error)
+import kvlab.kernels
+assert hasattr(kvlab.kernels, "kv_write"), kvlab.kernels
+"""
+
+
+def test_the_kernels_folder_does_not_shadow_an_installed_kernels_package():
+    """From the repository root (on sys.path for `python -c`), `import kernels` gives the
+    installed `kernels` distribution transformers imports, not kvlab's folder; where none is
+    installed, a plain ImportError."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", SHADOW_CHECK, str(root / "kernels")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() in {"installed", "none"}, out.stdout
