@@ -131,6 +131,19 @@ def pytest_xdist_make_scheduler(config, log):
     return NotebookScheduling(config, log)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Every test leaves torch's thread count as it found it. A test that sets it (a
+    benchmark script's --threads run in-process, a kernel test on two threads) would
+    otherwise leave its xdist worker on two threads for the rest of the session, and on a
+    2-core machine every later test there fights the other worker for both cores (OpenMP
+    threads spinning against each other: test_scheduler took 184 s instead of 37 s)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def model() -> kvlab.LoadedModel:
     return kvlab.load_model(device="cpu", progress=False)
