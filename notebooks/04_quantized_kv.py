@@ -187,6 +187,7 @@ columns = ["codec", "bytes_per_token", "ppl", "ppl_increase_pct", "kl", "top1_ag
 print(report[columns].to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 by = report.set_index("codec")
 targets = {
     "int8 perplexity increase <= 1%": by.loc["int8", "ppl_increase_pct"] <= 1,

@@ -73,12 +73,27 @@ def test_stepwise_agreement_follows_the_baseline_answers(model, chat_prompts):
 
 
 @pytest.mark.slow
-def test_int8_greedy_tokens_mostly_equal_the_baseline(model, chat_prompts):
-    # Twelve prompts: one answer that flips at a near-tie in its first token costs three
-    # prompts a third of their positions, twelve only a twelfth (0.91 measured).
+def test_int8_greedy_answers_leave_the_baseline_only_at_near_ties(model, chat_prompts):
+    # Free-running answers flip wherever two tokens nearly tie, and which ties flip depends
+    # on the CPU's rounding (0.91 of positions agreed on one CPU, 0.74 on another). What
+    # holds on any CPU: int8's answer follows the baseline's until a step where the
+    # baseline itself scores int8's token within a small margin of its own (0.03-0.09
+    # logits measured), and most answers never leave it.
+    engine = Engine(model, EngineConfig(cache="paged", max_model_len=512))
     base = quality.greedy_tokens(model, None, chat_prompts[:12], new_tokens=12)
     int8 = quality.greedy_tokens(model, "int8", chat_prompts[:12], new_tokens=12)
-    assert quality.agreement(base, int8) >= 0.85
+    identical = 0
+    for prompt, ours, theirs in zip(chat_prompts, base, int8):
+        step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if step is None:
+            identical += len(ours) == len(theirs)
+            continue
+        ids = torch.tensor([engine.encode(prompt) + ours[:step]])
+        with torch.no_grad():
+            logits = model.hf_model(ids).logits[0, -1]  # [vocab]
+        margin = float(logits[ours[step]] - logits[theirs[step]])
+        assert abs(margin) < 0.5, f"int8 left the baseline at step {step}: margin {margin}"
+    assert identical >= 6, f"only {identical} of 12 int8 answers equal the baseline's"
 
 
 @pytest.mark.slow
