@@ -27,10 +27,11 @@ This module imports only torch and the standard library.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from .cpu_build import DTYPES, native_function, raise_for, rows_contiguous
+from .cpu_build import DTYPES, cpu_flags, native_function, raise_for, rows_contiguous
 from .cpu_decode import check_q_and_caches
 
 ERRORS = {  # kvlab_paged_prefill's return codes
@@ -52,6 +53,20 @@ VECTOR = 16  # head_dim must be a multiple of it
 def prefill_fits(head_dim: int) -> bool:
     """Whether the kernel takes this head size (a multiple of 16)."""
     return head_dim % VECTOR == 0
+
+
+@functools.cache
+def prefill_pays() -> bool:
+    """Whether the kernel outruns torch's attention on this CPU: where it has AVX-512.
+
+    Its register tiles are rows of 16 floats, one 512-bit register each. With 256-bit
+    vectors (AVX2 only) the compiler splits every tile operation in two and the tiles no
+    longer fit in the registers: on a 2-core AMD EPYC with AVX2 the kernel ran at 3-6
+    GFLOP/s where torch's reference reached 23-39 (benchmarks/cpu_kernels.py), while on a
+    CPU with AVX-512 it ran at the matmul rate, ahead of torch. Elsewhere prompts take the
+    reference (kvlab.model.cpu_attention); the kernel still runs when called directly.
+    """
+    return "avx512f" in cpu_flags()
 
 
 def cpu_paged_prefill_attention(

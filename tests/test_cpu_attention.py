@@ -4,11 +4,14 @@ Every kind of group on one paged pool with scrambled blocks, NaN in every slot n
 owns: decodes (the decode kernel), a whole prompt, a prompt behind a short cached prefix
 and one behind a long prefix (the prompt kernel), all in one mixed step; the same with a
 retention policy's dropped blocks; a head size off the prompt kernel's vectors (the
-reference's call); and the real model's greedy tokens.
+reference's call); and the real model's greedy tokens. The group tests run with prompts
+through the prompt kernel and through the reference both, whichever this CPU's dispatch
+picks (prefill_pays: AVX-512 or not).
 """
 
 from __future__ import annotations
 
+import kvlab.kernels.cpu_prefill as cpu_prefill
 import pytest
 import torch
 from kvlab.kernels import cpu_kernels_available
@@ -34,6 +37,13 @@ STEP = [
     (4, 9, [9, 3, 12, 4]),
     (12, 3, [6, 13, 8, 10]),
 ]
+
+
+@pytest.fixture(params=[True, False], ids=["prompt-kernel", "prompt-reference"])
+def prompt_kernel(request, monkeypatch):
+    """Both dispatches of a prompt group, on any CPU."""
+    monkeypatch.setattr(cpu_prefill, "prefill_pays", lambda: request.param)
+    return request.param
 
 
 def _pool(dtype: torch.dtype, codec=None, dim=16) -> tuple[KVPool, torch.Generator]:
@@ -69,11 +79,11 @@ def _check(step, dtype, tol, codec=None, dim=16):
         (torch.float32, "bf16", dict(atol=2e-2, rtol=2e-2)),
     ],
 )
-def test_every_group_kind_in_one_mixed_step(dtype, codec, tol):
+def test_every_group_kind_in_one_mixed_step(dtype, codec, tol, prompt_kernel):
     _check(STEP, dtype, tol, codec)
 
 
-def test_dropped_blocks_of_a_retention_policy():
+def test_dropped_blocks_of_a_retention_policy(prompt_kernel):
     step = [(12, 1, [5, DROPPED, 7, 2]), (8, 6, [9, DROPPED, 3, 12])]
     _check(step, torch.float32, dict(atol=2e-5, rtol=2e-5))
 

@@ -13,7 +13,9 @@ Every group of meta.groups (kvlab.model.metadata) is one of two kinds:
   register tiles over the rows' causal spans, where the reference's
   scaled_dot_product_attention computes every one of the Q x S scores of a masked call.
 
-A head size off the prompt kernel's 16-float vectors takes the reference's call.
+A head size off the prompt kernel's 16-float vectors, or a CPU without AVX-512 (where the
+kernel's tiles run far below torch's rate: `kvlab.kernels.cpu_prefill.prefill_pays`),
+takes the reference's call.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def cpu_attention(
     (kvlab.kernels.cpu_kernels_available).
     """
     from kvlab.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention
-    from kvlab.kernels.cpu_prefill import prefill_fits
+    from kvlab.kernels.cpu_prefill import prefill_fits, prefill_pays
     from kvlab.model.kernel_attention import pool_layer  # which imports this module
 
     out = torch.empty_like(q)
@@ -47,7 +49,8 @@ def cpu_attention(
             out[group.rows] = cpu_paged_decode_attention(
                 rows, k_cache, v_cache, group.slots, group.lens, scale
             )
-        elif prefill_fits(q.shape[-1]):  # one prompt: (Q, heads, head_dim), written in place
+        elif prefill_pays() and prefill_fits(q.shape[-1]):
+            # one prompt: (Q, heads, head_dim), written in place
             cpu_paged_prefill_attention(
                 rows, k_cache, v_cache, group.slots[0], scale, out=out[group.rows]
             )
