@@ -11,6 +11,7 @@ from kvlab import workloads
 from kvlab.config import EngineConfig
 from kvlab.engine.engine import Engine
 from kvlab.experiments import quality
+from kvlab.model.prompts import encode_prompt
 from kvlab.model.runner import ModelRunner
 from kvlab.viz.quantization import (
     CodecExplorer,
@@ -79,7 +80,6 @@ def test_int8_greedy_answers_leave_the_baseline_only_at_near_ties(model, chat_pr
     # holds on any CPU: int8's answer follows the baseline's until a step where the
     # baseline itself scores int8's token within a small margin of its own (0.03-0.09
     # logits measured), and most answers never leave it.
-    engine = Engine(model, EngineConfig(cache="paged", max_model_len=512))
     base = quality.greedy_tokens(model, None, chat_prompts[:12], new_tokens=12)
     int8 = quality.greedy_tokens(model, "int8", chat_prompts[:12], new_tokens=12)
     identical = 0
@@ -88,7 +88,7 @@ def test_int8_greedy_answers_leave_the_baseline_only_at_near_ties(model, chat_pr
         if step is None:
             identical += len(ours) == len(theirs)
             continue
-        ids = torch.tensor([engine.encode(prompt) + ours[:step]])
+        ids = torch.tensor([encode_prompt(model.tokenizer, prompt) + ours[:step]])
         with torch.no_grad():
             logits = model.hf_model(ids).logits[0, -1]  # [vocab]
         margin = float(logits[ours[step]] - logits[theirs[step]])
