@@ -439,16 +439,16 @@ def _redrawn(page, cell, before: list[str]) -> bool:
 
 
 def _check_app(page, cell) -> str:
-    """Move the app's first control and see its figure redraw (pressing Run if it has one)."""
+    """Move the app's first control and see its figure redraw (pressing Run first where
+    the app has one: the dashboard recomputes on Run, not on a move)."""
     cell.scroll_into_view_if_needed()
     before = cell.evaluate(FIGURES_JS)
     moved = _move_first_control(page, cell)
-    changed = _redrawn(page, cell, before)
     buttons = cell.locator("button.jupyter-button", has_text="Run")
-    if not changed and buttons.count():  # an app that recomputes on Run (the dashboard)
+    if buttons.count():
         buttons.first.click()
         moved += ", Run"
-        changed = _redrawn(page, cell, before)
+    changed = _redrawn(page, cell, before)
     assert changed, f"the plotly figure did not change after the move ({moved})"
     return moved
 
