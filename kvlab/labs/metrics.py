@@ -23,6 +23,7 @@ the same pages. The reference parser is prometheus_client's (`kvlab_parse`).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -66,13 +67,20 @@ KV_USAGE = "KV usage is the after page's vllm:kv_cache_usage_perc, a fraction (1
 # --- the reference -------------------------------------------------------------------------
 def kvlab_parse(text: str) -> list[tuple[str, dict[str, str], float]]:
     """Every sample of a Prometheus text page, as prometheus_client's parser reads it."""
+    return [(name, dict(labels), value) for name, labels, value in _parsed(text)]
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(text: str) -> tuple[tuple[str, tuple[tuple[str, str], ...], float], ...]:
+    # prometheus_client's parser reads a character at a time (~30 ms a page); a grader
+    # reads the same pages for every answer it judges.
     from prometheus_client.parser import text_string_to_metric_families
 
-    return [
-        (s.name, dict(s.labels), float(s.value))
+    return tuple(
+        (s.name, tuple(s.labels.items()), float(s.value))
         for family in text_string_to_metric_families(text)
         for s in family.samples
-    ]
+    )
 
 
 def _total(samples, name: str) -> float:
@@ -195,8 +203,10 @@ class Scenario(NamedTuple):
     interval: tuple[Request, ...]
 
 
+@functools.lru_cache(maxsize=256)
 def pages(scenario: Scenario) -> tuple[str, str]:
-    """(before, after): the /metrics pages scraped around the scenario's interval."""
+    """(before, after): the /metrics pages scraped around the scenario's interval (the
+    same for the same scenario: each page's *_created times are fixed)."""
     server = _Server(scenario.prefix_caching)
     for request in scenario.warmup:
         server.serve(request)
