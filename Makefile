@@ -102,7 +102,8 @@ $(GRADING_STAMP): $(STAMP)
 	touch $(GRADING_STAMP)
 
 # The nbgrader workflow on a throw-away course (generate, autograde, feedback); with
-# KVLAB_NBGRADER_ALL=1 every known-wrong answer of tests/lab_mistakes.py is handed in.
+# KVLAB_NBGRADER_ALL=1 every known-wrong answer of tests/lab_mistakes.py (and the student
+# version) is handed in.
 # `make test` runs it too, from tests/test_nbgrader_venv.py.
 test-grading: grading
 	JUPYTER_PATH=$(abspath $(VENV))/share/jupyter $(GRADING)/bin/python -m pytest tests/test_labs_nbgrader.py $(PYTEST_ARGS)

@@ -2,15 +2,18 @@
 
 For each lab: `generate_assignment` on its source (notebooks/labs/source/<lab>/<lab>.ipynb)
 with notebooks/labs/nbgrader_config.py must make exactly the committed student notebook;
-`autograde` then grades a solved submission (full marks), the untouched student version
-(0, every check cell saying "not implemented yet") and known-wrong answers from
+`autograde` then grades a solved submission (full marks), known-wrong answers from
 tests/lab_mistakes.py (each loses the points of the checks it fails, visible or hidden,
-and its feedback page shows kvlab's report of the broken invariant, never the hidden tests).
+and its feedback page shows kvlab's report of the broken invariant, never the hidden tests)
+and, with KVLAB_NBGRADER_ALL=1, the untouched student version (0, every check cell saying
+"not implemented yet"; tests/test_labs.py runs the committed student notebooks in every
+`make test` and checks that).
 
 nbgrader is the optional `grading` extra, installed by `make test-grading` in its own venv
 (.venv-grading, layered on .venv: nbgrader turns on Jupyter extensions wherever it is
 installed, and the learners' JupyterLab stays without them); elsewhere this file skips.
-One known-wrong answer per lab by default; KVLAB_NBGRADER_ALL=1 hands in every one.
+One known-wrong answer per lab by default; KVLAB_NBGRADER_ALL=1 hands in every one, and
+the student version.
 Each submission is one kernel start (torch import included): ~5-10 s on 2 cores.
 """
 
@@ -89,7 +92,9 @@ def _mistakes(name: str) -> list[Mistake]:
 
 def _submissions(name: str) -> dict[str, str | None]:
     """{student: their exercise cell}; None hands in the student version untouched."""
-    subs: dict[str, str | None] = {"solved": _solved_cell(name), "unsolved": None}
+    subs: dict[str, str | None] = {"solved": _solved_cell(name)}
+    if EVERY_MISTAKE:
+        subs["unsolved"] = None
     subs.update({m.name: submission(m) for m in _mistakes(name)})
     return subs
 
@@ -212,7 +217,9 @@ def test_autograde_gives_each_submission_the_points_of_the_checks_it_passes(cour
         assert max_score == total
         assert cells == _expected_cells(name, exercise), who
         assert score == sum(cells.values())
-    assert scores["solved"][0] == total and scores["unsolved"][0] == 0
+    assert scores["solved"][0] == total
+    if "unsolved" in subs:
+        assert scores["unsolved"][0] == 0
     for mistake in _mistakes(name):  # the check that names the mistake's invariant scores 0
         first = GRADERS[name](*answer(mistake), verbose=False).failures[0]
         assert first.invariant == mistake.invariant
