@@ -39,3 +39,22 @@ def test_bench_cli_runs_vllm_on_the_same_tokens(model, tmp_path, capsys):
     # carved into blocks of 32 fp32 tokens (46,080 bytes each).
     assert vllm["kv_cache_memory_bytes"] >= result.meta["kv_budget_bytes"]
     assert vllm["num_blocks"] == vllm["kv_cache_memory_bytes"] // (32 * 46_080)
+
+
+def test_the_vllm_worker_starts_without_kvlabs_paths(monkeypatch):
+    """PYTHONPATH with kvlab's root (as `make notebook-times` gives its kernels) would let
+    kvlab's kernels/ folder answer transformers' `import kernels` in vLLM's venv."""
+    import kvlab.experiments.vllm_peer as peer
+
+    seen = {}
+
+    def popen(command, env, **kwargs):
+        seen.update(env)
+        raise RuntimeError("stop before starting vLLM")
+
+    monkeypatch.setenv("PYTHONPATH", str(peer.vllm_venv().parent))
+    monkeypatch.setattr(peer, "vllm_missing", lambda: None)
+    monkeypatch.setattr(peer.subprocess, "Popen", popen)
+    with pytest.raises(RuntimeError, match="stop before"):
+        peer.VllmPeer(threads=1)
+    assert "PYTHONPATH" not in seen and seen["VLLM_NO_USAGE_STATS"] == "1"

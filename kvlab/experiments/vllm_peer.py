@@ -152,7 +152,10 @@ class VllmPeer:
         self.log_file = Path(log_file)
         # "auto": vLLM's choice; else cores 0..threads-1 ("0" for one: vLLM reads ranges)
         self.threads_bind = {None: "auto", 1: "0"}.get(threads, f"0-{(threads or 1) - 1}")
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        # kvlab's paths mean nothing to vLLM's python, and its root there would answer
+        # transformers' `import kernels` with kvlab's kernels/ folder
+        skip = ("VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH")
+        env = {k: v for k, v in os.environ.items() if k not in skip}
         env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         env |= {"DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind}
         if inproc:
