@@ -1,6 +1,6 @@
 """Disaggregated prefill and decode, run for real as two processes on one machine.
 
-A prefill engine (a spawned process, `prefill.py`) computes each prompt's KV and its first
+A prefill engine (a process of its own, `prefill.py`) computes each prompt's KV and its first
 token; the request's KV blocks then travel to the decode engine (this process) as the
 codec's stored bytes with a checksum (`transfer.py`), over a local socket (a
 multiprocessing pipe). They move through the KV connector interface

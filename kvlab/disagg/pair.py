@@ -7,8 +7,6 @@ import time
 import weakref
 from collections.abc import Sequence as Seq
 
-import torch.multiprocessing as mp
-
 from kvlab.config import EngineConfig, SamplingParams
 from kvlab.disagg.connector import PrefillDecodeConnector
 from kvlab.disagg.prefill import prefill_main
@@ -16,6 +14,7 @@ from kvlab.disagg.transfer import KVTransfer
 from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
 from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel
+from kvlab.processes import worker_context
 from kvlab.workloads import Request
 
 
@@ -57,7 +56,7 @@ class Disaggregated:
                              "from outside (it does not swap): use cache='paged'")  # fmt: skip
         self.stats = TransferStats()
         self.consumer = PrefillDecodeConnector("kv_consumer", self.decode.cache)
-        context = mp.get_context("spawn")
+        context = worker_context(["kvlab.disagg.prefill", "kvlab.model.loading"])
         self.conn, child = context.Pipe()  # a local socket pair
         name = None if model.name == EMBEDDED_MODEL else model.name
         config = {f.name: getattr(prefill, f.name) for f in dataclasses.fields(prefill)}

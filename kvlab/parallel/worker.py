@@ -1,7 +1,7 @@
 """The worker processes of a tensor-parallel engine, and rank 0's handle on them.
 
 Rank 0 (the engine's process) runs the scheduler and the cache; ranks 1 .. tp - 1 are
-processes of their own (START_METHOD) that load the same checkpoint, keep their slice
+processes of their own (kvlab.processes) that load the same checkpoint, keep their slice
 of the weights and their own KV pool, and loop: receive a message from rank 0, act on
 it. Messages are Python objects broadcast over a gloo process group (CPU; NCCL would
 carry the all-reduces on GPUs):
@@ -21,17 +21,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kvlab.cache.pool import KVPool
 from kvlab.parallel.pool import DistributedPool
 from kvlab.parallel.runner import ShardedRunner
+from kvlab.processes import worker_context
 
 TIMEOUT = timedelta(minutes=10)
-# A fresh process per worker, as spawn makes one, but forked from a server process that has
-# already imported torch, transformers and kvlab: a rank starts in about half the time
-# (tp = 9 on 2 cores: 16 s instead of 23). Where there is no forkserver, spawn.
-START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 def _init(rank: int, tp: int, store: str) -> None:
@@ -87,9 +83,7 @@ class TensorParallel:
         os.close(handle)
         os.unlink(self.store)  # the file store creates it
         name = None if model.name == EMBEDDED_MODEL else model.name
-        context = mp.get_context(START_METHOD)
-        if START_METHOD == "forkserver":  # workers fork from a server that imported these
-            context.set_forkserver_preload(["kvlab.parallel.worker", "kvlab.model.loading"])
+        context = worker_context(["kvlab.parallel.worker", "kvlab.model.loading"])
         self.workers = [
             context.Process(
                 target=worker_main,
