@@ -33,7 +33,7 @@
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. `FULL_SIZE = True` scores greedy agreement on all 64 chat prompts instead of
-# 24 (a few more minutes on a CPU).
+# 8, with answers of up to 48 tokens instead of 32 (several more minutes on a CPU).
 
 # %%
 import platform
@@ -61,7 +61,8 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 runner = ModelRunner(model.hf_model)
 FULL_SIZE = False  # True: 1,024 tokens of prose; all 64 chat prompts, 16 answered freely
-PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (12, 4)
+PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (8, 4)
+NEW_TOKENS = 48 if FULL_SIZE else 32  # each answer's greedy tokens, at most
 TEXT_TOKENS = 1024 if FULL_SIZE else 512
 
 # %% [markdown]
@@ -148,7 +149,7 @@ CodecExplorer(forcing.k, forcing.v, codec="int4", layer=layer)
 # `quality.codec_report` adds to the teacher-forced scores:
 #
 # * **greedy agreement**: the paged engine answers the first `PROMPTS` of kvlab's 64 chat
-#   prompts greedily (to EOS, at most 48 tokens each: about 500 answer tokens for 12)
+#   prompts greedily (to EOS, at most `NEW_TOKENS` each: about 250 answer tokens for 8)
 #   without a codec;
 #   then, at every step of those answers, does the codec pick the same greedy token given
 #   the same history? Each step reads its K/V back through the codec, as a decode step
@@ -173,6 +174,7 @@ report = quality.codec_report(
     model,
     forcing=forcing,
     prompts=texts.chat_prompts()[:PROMPTS],
+    new_tokens=NEW_TOKENS,
     free_run=FREE_RUN,
     budget_bytes=budget,
     requests=requests,
