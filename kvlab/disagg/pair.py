@@ -56,7 +56,7 @@ class Disaggregated:
                              "from outside (it does not swap): use cache='paged'")  # fmt: skip
         self.stats = TransferStats()
         self.consumer = PrefillDecodeConnector("kv_consumer", self.decode.cache)
-        context = worker_context(["kvlab.disagg.prefill", "kvlab.model.loading"])
+        context = worker_context(["kvlab.disagg.prefill"])
         self.conn, child = context.Pipe()  # a local socket pair
         name = None if model.name == EMBEDDED_MODEL else model.name
         config = {f.name: getattr(prefill, f.name) for f in dataclasses.fields(prefill)}

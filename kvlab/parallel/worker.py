@@ -83,7 +83,7 @@ class TensorParallel:
         os.close(handle)
         os.unlink(self.store)  # the file store creates it
         name = None if model.name == EMBEDDED_MODEL else model.name
-        context = worker_context(["kvlab.parallel.worker", "kvlab.model.loading"])
+        context = worker_context(["kvlab.parallel.worker"])
         self.workers = [
             context.Process(
                 target=worker_main,
