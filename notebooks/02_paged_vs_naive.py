@@ -61,15 +61,15 @@ model = kvlab.load_model(device=device, progress=False)
 # ## 1 · The workload
 #
 # `kvlab.workloads.doc_qa` builds document-QA requests: a shared ~300-token assistant
-# preamble, one of 16 documents, then a question. Prompts are long (here ~450 to ~1,700
+# preamble, one of 16 documents, then a question. Prompts are long (here ~450 to ~860
 # tokens); answers are short. To keep this notebook to a few minutes on a laptop CPU
-# (where prefill runs at a few hundred prompt tokens per second) we take 8 requests and
+# (where prefill runs at a few hundred prompt tokens per second) we take 6 requests and
 # shorter answers than the default (8-16 tokens, and 32-48 for the 30 % "long" ones).
 # All arrive at once, and `ignore_eos=True` makes each produce exactly its
 # `max_new_tokens`, so every count below is the same on every run.
 
 # %%
-requests = workloads.doc_qa(n=8, seed=8, short_answer=(8, 16), long_answer=(32, 48))
+requests = workloads.doc_qa(n=6, seed=8, short_answer=(8, 16), long_answer=(32, 48))
 probe = kvlab.Engine(model, kvlab.EngineConfig(max_model_len=2048, kv_budget_tokens=2048))
 prompt_tokens = [len(probe.encode(r.prompt)) for r in requests]
 print("prompt tokens: ", prompt_tokens)
@@ -170,7 +170,7 @@ print(
 # %% [markdown]
 # ### What admission buys
 #
-# Above, the paged cache's admission never had to choose: all 8 requests and their answers
+# Above, the paged cache's admission never had to choose: all 6 requests and their answers
 # fitted in its 384 blocks. When the answers outgrow the pool, the
 # paged cache must decide whom to let in, `EngineConfig.admission`:
 #
@@ -212,7 +212,7 @@ print("identical greedy outputs:", tokens["watermark"] == tokens["reserve"])
 # prefill most of the work, it is compute-bound on a CPU, and it costs the same whichever
 # cache stores the result. What paging buys is room: more sequences per step for the same
 # memory. A decode step mostly reads the weights, so on a GPU, where it costs about the
-# same for 3 sequences as for 7, that room turns into throughput.
+# same for 3 sequences as for 6, that room turns into throughput.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -276,7 +276,7 @@ print(sizes.table().to_string())
 # ## What to try next
 #
 # * Raise `max_model_len` to 4,096 (and the budget with it, to 3 × 4,096): the naive cache
-#   still runs 3 requests, the paged one all 8.
+#   still runs 3 requests, the paged one all 6.
 # * Use the full `doc_qa()` answers (`long_answer=(64, 128)`): longer answers widen the
 #   gap, because the naive region is reserved for the whole answer from the first step.
 # * Build a `BlockMapExplorer` on `engines["naive"]`: three huge "blocks", one per region.
