@@ -29,21 +29,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import kvlab
 from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel, cache_dir
+from kvlab.serve.vllm_bench import vllm_env, vllm_venv
 
-VENV_VARIABLE = "KVLAB_VLLM_VENV"  # overrides where the vLLM venv lives
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # The CPU build's attention (CPU_ATTN) takes block sizes that are multiples of 32 only:
 # vLLM refuses 16 at start-up. kvlab-vs-vLLM comparisons use 32 on both sides.
 VLLM_BLOCK_SIZE = 32
-
-
-def vllm_venv() -> Path:
-    """$KVLAB_VLLM_VENV, else `.venv-vllm` at the root of kvlab's source checkout."""
-    if os.environ.get(VENV_VARIABLE):
-        return Path(os.environ[VENV_VARIABLE])
-    return Path(kvlab.__file__).resolve().parents[1] / ".venv-vllm"
 
 
 def vllm_missing() -> str | None:
@@ -152,12 +144,7 @@ class VllmPeer:
         self.log_file = Path(log_file)
         # "auto": vLLM's choice; else cores 0..threads-1 ("0" for one: vLLM reads ranges)
         self.threads_bind = {None: "auto", 1: "0"}.get(threads, f"0-{(threads or 1) - 1}")
-        # kvlab's paths mean nothing to vLLM's python, and its root there would answer
-        # transformers' `import kernels` with kvlab's kernels/ folder
-        skip = ("VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH")
-        env = {k: v for k, v in os.environ.items() if k not in skip}
-        env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        env |= {"DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind}
+        env = vllm_env(DO_NOT_TRACK="1", VLLM_CPU_OMP_THREADS_BIND=self.threads_bind)
         if inproc:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)

@@ -55,9 +55,13 @@ def vllm_command(*args: str) -> list[str]:
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of a process run by the vLLM venv's python: this one, offline,
+    `extra` set, without kvlab's PYTHONPATH or a KV size of vLLM's own."""
     env = {**os.environ, **OFFLINE, **extra}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-    env.pop("PYTHONPATH", None)  # kvlab's paths mean nothing to vLLM's python
+    # kvlab's paths mean nothing to vLLM's python, and its root there would answer
+    # transformers' `import kernels` with kvlab's kernels/ folder
+    env.pop("PYTHONPATH", None)
     return env
 
 
