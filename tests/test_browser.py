@@ -71,6 +71,7 @@ CHROMIUM_ARGS = [
 PANEL = ".jp-NotebookPanel:visible"  # the notebook on screen (playwright's :visible)
 CELL_TIMEOUT_S = float(os.environ.get("KVLAB_BROWSER_CELL_TIMEOUT", "900"))
 RUN_ALL_TIMEOUT_S = float(os.environ.get("KVLAB_BROWSER_TIMEOUT", "2400"))
+REDRAW_TIMEOUT_S = 300.0  # after the kernel is idle, for a late control's redraw
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))  # every top-level one
 SCREENSHOT_NAMES = {"02_paged_vs_naive.ipynb": "02_paged_vs_naive_block_map.png"}  # else stem
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -273,6 +274,9 @@ FIGURES_JS = """(cell) => Array.from(cell.querySelectorAll('.js-plotly-plot')).m
   return data + '|' + svg;
 })"""
 
+TITLES_JS = """(cell) => Array.from(cell.querySelectorAll('.js-plotly-plot')).map(gd =>
+  gd.layout && gd.layout.title ? String(gd.layout.title.text) : '')"""
+
 DRAWN_JS = """(panel) => Array.from(panel.querySelectorAll('.jp-Cell')).map(cell =>
   Array.from(cell.querySelectorAll('.js-plotly-plot'))
     .filter(gd => gd.querySelector('svg.main-svg') !== null).length)"""
@@ -433,9 +437,11 @@ def _redrawn(page, cell, before: list[str]) -> bool:
     """Once the kernel has handled what the page sent, has the cell's figure changed?"""
     page.evaluate(KERNEL_DONE_JS, CELL_TIMEOUT_S * 1000)
     # The control's message can reach the kernel after the probe above (a slider sends on
-    # release): then the kernel's redraw is still to come, and on a loaded 2-core machine
-    # it took more than 10 s (notebook 02's block map, once in a CI run).
-    return _wait_for_change(cell, before, 60)
+    # release): then the kernel's redraw is still to come. On a loaded 2-core machine it
+    # took more than 10 s (notebook 02's block map, once in a CI run) and more than 60 s
+    # (notebook 03's explorer serving 7 requests twice, once in a CI run); waiting costs
+    # nothing where the figure changes sooner.
+    return _wait_for_change(cell, before, REDRAW_TIMEOUT_S)
 
 
 def _check_app(page, cell) -> str:
@@ -449,7 +455,10 @@ def _check_app(page, cell) -> str:
         buttons.first.click()
         moved += ", Run"
     changed = _redrawn(page, cell, before)
-    assert changed, f"the plotly figure did not change after the move ({moved})"
+    assert changed, (
+        f"the plotly figure did not change in {REDRAW_TIMEOUT_S:.0f} s after the move "
+        f"({moved}); its titles: {cell.evaluate(TITLES_JS)}"
+    )
     return moved
 
 
