@@ -59,6 +59,7 @@ FULL_SIZE = False  # True: haystacks of 1k-4k tokens, 3 depths, 4k tokens of tex
 NEEDLE_LENGTHS = [1000, 2000, 4000] if FULL_SIZE else [300]
 NEEDLE_DEPTHS = [0.1, 0.5, 0.9] if FULL_SIZE else [0.25, 0.75]
 PPL_TOKENS, PPL_BUDGET = (4096, 256) if FULL_SIZE else (768, 128)
+FRACTIONS = (0.1, 0.25, 0.5) if FULL_SIZE else (0.25, 0.5)  # budgets: shares of the KV
 CHUNK = 64  # prefill chunk: a policy acts between chunks
 print(model.name, "on", device)
 
@@ -177,11 +178,12 @@ print(baseline[["context_tokens", "depth", "recalled", "answer"]].to_string(inde
 # %% [markdown]
 # ## Recall vs KV kept
 #
-# Every policy at 10, 25 and 50 % of each haystack's KV, on the same needles. The prompt
-# streams in by chunks, so the question at the end only sees what the policy kept.
+# Every policy at 25 and 50 % of each haystack's KV (`FULL_SIZE`: 10 % too), on the same
+# needles. The prompt streams in by chunks, so the question at the end only sees what the
+# policy kept.
 
 # %%
-frontier = longctx.recall_frontier(model, needles, base, baseline=baseline)
+frontier = longctx.recall_frontier(model, needles, base, FRACTIONS, baseline=baseline)
 summary = frontier.groupby(["policy", "budget"], sort=False).agg(
     recall=("recalled", "mean"), kv_kept=("kv_kept_frac", "mean")
 )

@@ -85,8 +85,8 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 # %% [markdown]
 # ## 2 · Disaggregated prefill/decode under long-prompt interference
 #
-# Four chat requests decode while two long prompts (the first 3,600 characters of two
-# doc-QA prompts, ~750 tokens each) arrive among them.
+# Four chat requests decode while two long prompts (the first 2,400 characters of two
+# doc-QA prompts, ~510 tokens each) arrive among them.
 # **Colocated**, each long prefill is a step every running decode waits for (chunked
 # prefill splits it into smaller stalls). **Disaggregated**, a second process prefills; the
 # decode engine admits the finished KV as it would swap a preempted request back in. The
@@ -95,7 +95,7 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 
 # %%
 trace = disagg.interference_trace(n_chat=4, n_long=2, chat_tokens=32, long_tokens=4,
-                                  gap_s=1.0, long_chars=3600)  # fmt: skip
+                                  gap_s=1.0, long_chars=2400)  # fmt: skip
 setups = disagg.compare(model, trace)
 prompt_tokens = sum(len(model.tokenizer(r.prompt).input_ids) for r in trace[4:])
 print({name: row["identical_to_colocated"] for name, row in setups.items()})
