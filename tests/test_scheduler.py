@@ -27,13 +27,20 @@ def _drain(engine, limit: int = 10_000) -> int:
     return steps
 
 
-def _oversubscribed(model, prompts, mode: str, chunked: bool, chat: bool):
-    """Serve `prompts` calmly on the naive cache, then paged with a KV budget a quarter of
-    their total demand."""
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def _calm(model, prompts, chat: bool) -> tuple[list[list[int]], int]:
+    """`prompts` served calmly on the naive cache: their tokens and total KV demand."""
     calm = kvlab.Engine(model, kvlab.EngineConfig(cache="naive", max_model_len=512))
-    expected = [o.token_ids for o in calm.generate(prompts, params, chat=chat)]
-    demand = sum(len(o.prompt_token_ids) + 24 for o in calm.finished)
+    expected = [o.token_ids for o in calm.generate(prompts, PARAMS, chat=chat)]
+    return expected, sum(len(o.prompt_token_ids) + PARAMS.max_new_tokens for o in calm.finished)
+
+
+def _oversubscribed(model, prompts, mode: str, chunked: bool, chat: bool, calm=None):
+    """Serve `prompts` calmly on the naive cache (or take `calm`: _calm's result), then
+    paged with a KV budget a quarter of their total demand."""
+    expected, demand = calm or _calm(model, prompts, chat)
     budget = 8 * (demand // 4 // 8)  # total KV demand is four times the budget
     engine = kvlab.Engine(
         model,
@@ -45,7 +52,7 @@ def _oversubscribed(model, prompts, mode: str, chunked: bool, chat: bool):
             max_num_batched_tokens=64,
         ),
     )
-    outputs = engine.generate(prompts, params, chat=chat)
+    outputs = engine.generate(prompts, PARAMS, chat=chat)
     assert [o.token_ids for o in outputs] == expected  # every request, token for token
     stats = engine.stats()
     assert stats["preemptions"].iloc[-1] > 0
@@ -62,9 +69,14 @@ def test_four_times_oversubscribed_completes_identically(tiny_model, mode, chunk
     _oversubscribed(tiny_model, _prompts(tiny_model, 8, 40), mode, chunked, chat=False)
 
 
+@pytest.fixture(scope="module")
+def calm_chat(model, chat_prompts):
+    return _calm(model, chat_prompts[:6], chat=True)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_oversubscribed_real_model_matches_unpressured(model, chat_prompts, mode):
-    _oversubscribed(model, chat_prompts[:6], mode, chunked=mode == "swap", chat=True)
+def test_oversubscribed_real_model_matches_unpressured(model, chat_prompts, calm_chat, mode):
+    _oversubscribed(model, chat_prompts[:6], mode, mode == "swap", chat=True, calm=calm_chat)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
