@@ -171,7 +171,7 @@ k_figure(frame)
 # ## 4 · Why the speed-up is smaller on a CPU, and where it stops paying
 #
 # Verifying k drafts is "free" only when the forward is bound by reading the weights.
-# On this CPU a matmul on 5 rows costs several times one on 1 row (the BLAS library's
+# On this CPU a matmul on 5 rows costs 2-3 times one on 1 row (the BLAS library's
 # small-M kernels), so each rejected draft costs real compute. The cost of the model's
 # first MLP on m tokens at once:
 
