@@ -22,7 +22,13 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KVLAB_OK = 0, KVLAB_EARG = 1, KVLAB_ELEN = 2, KVLAB_ESLOT = 3, KVLAB_ENOMEM = 4 };
 
-#define V 16                /* floats per vector */
+/* floats per vector: one 512-bit register with AVX-512, else one 256-bit register (AVX2;
+ * wider vectors split in two no longer fit the kernels' tiles in its 16 registers) */
+#if defined(__AVX512F__)
+#define V 16
+#else
+#define V 8
+#endif
 #define MAX_HEAD_DIM 1024
 #define MAX_HEADS 4096
 #define MAX_THREADS 256     /* threads in one call, the caller's included */

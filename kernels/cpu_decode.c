@@ -19,12 +19,13 @@
  * e^(max_c - max)). Chunks depend only on the lengths, never on the thread count, so the
  * result is the same bits for any number of threads.
  *
- * Speed: decode is memory-bound. Values are 16-float vectors (GNU vector_size; gcc splits
- * them where the CPU is narrower) and K/V elements are widened (bf16, fp16) as they are
- * loaded, never copied. The score pass takes TILE positions at a time: for each query head
- * it accumulates TILE dot-product vectors, then sums all TILE of them at once with a tree
- * of two-vector shuffles (4 levels), which costs far less than one horizontal sum per dot
- * product. The value pass adds TILE rows into each accumulator vector before storing it.
+ * Speed: decode is memory-bound. Values are vectors of V floats (GNU vector_size; 16 with
+ * AVX-512, else 8: cpu_common.h), and K/V elements are widened (bf16, fp16) as they are
+ * loaded, never copied. The score pass takes TILE = V positions at a time: for each query
+ * head it accumulates TILE dot-product vectors, then sums all TILE of them at once with a
+ * tree of two-vector shuffles (log2 V levels), which costs far less than one horizontal
+ * sum per dot product. The value pass adds TILE rows into each accumulator vector before
+ * storing it.
  * exp is a range-reduced polynomial (~1 ulp), branch-free. Records PREFETCH_AHEAD
  * positions ahead are prefetched into L2 (blocks are scattered, so the hardware prefetcher
  * cannot guess where the next one starts; prefetching into L1 would evict the tile in
@@ -40,7 +41,7 @@
 
 #include "cpu_common.h"
 
-#define TILE 16             /* positions per step of both passes (the reduction needs 16) */
+#define TILE V              /* positions per step of both passes (sum_lanes sums V vectors) */
 #define CHUNK 256           /* positions per task; a multiple of TILE */
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
 #define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L2) */
@@ -71,10 +72,21 @@ typedef struct {        /* one thread's scratch, all fp32 */
 
 /* ---- vector helpers ----------------------------------------------------------------- */
 
-/* lane t of the result = the sum of the lanes of x[t], for TILE (16) vectors: each level
+/* lane t of the result = the sum of the lanes of x[t], for TILE (V) vectors: each level
  * adds pairs of vectors after interleaving their halves, quarters, pairs, then lanes, so
- * every add serves all 16 sums. */
-static ALWAYS_INLINE vf sum_lanes_16(const vf *x) {
+ * every add serves all V sums. */
+static ALWAYS_INLINE vf sum_lanes(const vf *x) {
+#if V == 8
+    vf l1[4], l2[2];
+    for (int i = 0; i < 4; i++) /* [x0 halves | x1 halves]: 4-lane partial sums */
+        l1[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                SHUFFLE(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* 2-lane partial sums of 4 vectors */
+        l2[i] = SHUFFLE(l1[2 * i], l1[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+                SHUFFLE(l1[2 * i], l1[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUFFLE(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           SHUFFLE(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
     vf l1[8], l2[4], l3[2];
     for (int i = 0; i < 8; i++) /* [x0 halves | x1 halves]: 8-lane partial sums */
         l1[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
@@ -93,6 +105,7 @@ static ALWAYS_INLINE vf sum_lanes_16(const vf *x) {
                         26, 27, 30, 31);
     return SHUFFLE(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            SHUFFLE(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#endif
 }
 
 static float max_of(const float *x, int n) {
@@ -180,7 +193,7 @@ static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int
                     }
                     dots[t] = x;
                 }
-                vf sums = sum_lanes_16(dots);
+                vf sums = sum_lanes(dots);
                 for (int c = vec_end; c < d; c++) /* head_dim off the vector width */
                     for (int t = 0; t < TILE; t++)
                         sums[t] += q[c] * load(p->k, dtype, rows[t] + head + c);

@@ -17,13 +17,14 @@ the memory traffic. `cpu_decode.c` instead reads each K and V row once, where it
 * **Two passes, fp32.** Scores q . k_j * scale go to a (heads, chunk) fp32 buffer; each row
   gets softmax with max subtraction (a polynomial exp, ~1 ulp); the V pass accumulates
   p_j v_j in fp32 and divides by the sum. The output is rounded to q's dtype once.
-* **Vectorised C, pthreads.** 16-float GNU vectors; the score pass sums 16 dot products'
-  lanes together with a shuffle tree; bf16/fp16 are widened as they are loaded; records a
-  few positions ahead are prefetched into L2 (scattered blocks defeat the hardware
-  prefetcher). The tasks are taken from a shared counter by the calling thread and
-  `torch.get_num_threads() - 1` helper pthreads, which the library starts once and which
-  sleep between calls (not OpenMP: torch ships its own runtime). Calls from several Python
-  threads run one at a time; a forked child starts its own helpers.
+* **Vectorised C, torch's threads.** 16-float GNU vectors (8-float without AVX-512); the
+  score pass sums as many dot products' lanes together with a shuffle tree; bf16/fp16 are
+  widened as they are loaded; records a few positions ahead are prefetched into L2
+  (scattered blocks defeat the hardware prefetcher). The tasks are taken from a shared
+  counter by the calling thread and `torch.get_num_threads() - 1` helpers: torch's own
+  OpenMP threads where torch runs on OpenMP, else pthreads the library starts once and
+  which sleep between calls (kernels/cpu_build.py). Calls from several Python threads run
+  one at a time; a forked child starts its own helpers.
 
 The C file is built with the other native kernels by kernels/cpu_build.py.
 

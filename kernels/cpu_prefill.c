@@ -15,7 +15,7 @@
  * (cpu_pool.c). Tasks depend only on the shapes, never on the thread count, so the result
  * is the same bits for any number of threads.
  *
- * head_dim must be a multiple of V (16). Returns 0, or a KVLAB_E* code.
+ * head_dim must be a multiple of V (16 with AVX-512, else 8). Returns 0, or a KVLAB_E* code.
  */
 
 #include "cpu_tiles.h"

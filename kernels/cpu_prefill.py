@@ -57,16 +57,19 @@ def prefill_fits(head_dim: int) -> bool:
 
 @functools.cache
 def prefill_pays() -> bool:
-    """Whether the kernel outruns torch's attention on this CPU: where it has AVX-512.
+    """Whether the kernel outruns torch's attention on this CPU: where it has AVX-512, or
+    AVX2 with FMA.
 
-    Its register tiles are rows of 16 floats, one 512-bit register each. With 256-bit
-    vectors (AVX2 only) the compiler splits every tile operation in two and the tiles no
-    longer fit in the registers: on a 2-core AMD EPYC with AVX2 the kernel ran at 3-6
-    GFLOP/s where torch's reference reached 23-39 (benchmarks/cpu_kernels.py), while on a
-    CPU with AVX-512 it ran at the matmul rate, ahead of torch. Elsewhere prompts take the
-    reference (kvlab.model.cpu_attention); the kernel still runs when called directly.
+    Its register tiles are rows of 16 floats (one 512-bit register) with AVX-512 and of 8
+    (one 256-bit register) elsewhere, sized so a tile's accumulators fill the registers
+    (cpu_tiles.h). On a 2-core AMD EPYC with AVX2 only, 16-float tiles split in two no
+    longer fitted and ran at 3-6 GFLOP/s where torch's reference reached 23-39; 8-float
+    tiles run at 45-51 GFLOP/s on its large prompt shapes (benchmarks/cpu_kernels.py).
+    Elsewhere prompts take the reference (kvlab.model.cpu_attention); the kernel still runs
+    when called directly.
     """
-    return "avx512f" in cpu_flags()
+    flags = cpu_flags()
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def cpu_paged_prefill_attention(

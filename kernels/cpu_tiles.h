@@ -1,7 +1,7 @@
 /* Register tiles for attention of many query rows at once: the inner loop of the prompt
  * kernel (cpu_prefill.c), for a block of a prompt's rows.
  *
- * The rows lie side by side in vectors (lane r % 16 of vector r / 16; `stride` lanes per
+ * The rows lie side by side in vectors (lane r % V of vector r / V; `stride` lanes per
  * position in all). tiles_chunk runs one chunk of up to KC positions of flash attention:
  *   scores   s[j][r] = qt[:, r] . k_j, in register tiles of MP positions x up to RV row
  *            vectors: each K value, loaded where it lies in the pool (widened from bf16 or
@@ -9,8 +9,8 @@
  *   softmax  per row vector: lanes whose row ends at or before position c0 + j are masked
  *            out; the running max grows to the chunk's, the running sum and the row's
  *            accumulator are scaled by e^(old - new max), and s[j] becomes the weight
- *            e^(s[j] - max) (fast_exp, 16 lanes at a time).
- *   values   acc[r] += w[j][r] v_j, in register tiles of MR rows x 4 vectors of head_dim:
+ *            e^(s[j] - max) (fast_exp, V lanes at a time).
+ *   values   acc[r] += w[j][r] v_j, in register tiles of MR rows x VW vectors of head_dim:
  *            each V vector loaded from the pool once per tile, times MR broadcast weights.
  * Both tiles keep their partial sums in registers, so the loop runs at the CPU's matmul
  * rate. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
@@ -24,10 +24,19 @@
 
 #include "cpu_common.h"
 
-#define KC 256      /* positions per chunk */
-#define MP 6        /* positions per score tile */
+/* A tile's accumulators, its loaded vectors and one broadcast fill the CPU's vector
+ * registers: 32 of 16 floats with AVX-512, else 16 of 8 floats (AVX2). */
+#if V == 16
 #define RV 4        /* row vectors per score tile, at most */
-#define MR 6        /* rows per value tile */
+#define VW 4        /* vectors of head_dim per value tile, at most */
+#else
+#define RV 2
+#define VW 2
+#endif
+
+#define KC 256      /* positions per chunk */
+#define MP 6        /* positions per score tile: MP x RV accumulators */
+#define MR 6        /* rows per value tile: MR x VW accumulators */
 
 typedef struct {      /* rows that attend together, and one thread's scratch for them */
     int stride;       /* lanes per position: the rows, rounded up to vectors, then to MR */
@@ -89,7 +98,7 @@ static ALWAYS_INLINE vf fast_exp_v(vf x) {
     return e * (vf)bits;
 }
 
-/* s[j + p][16 t ..] = k_(j + p) . qt[:, 16 (v0 + t) ..] for p < count positions (count <=
+/* s[j + p][V t ..] = k_(j + p) . qt[:, V (v0 + t) ..] for p < count positions (count <=
  * MP), t < nv row vectors (nv <= RV) */
 static ALWAYS_INLINE void score_tile(const void *k, int stride, const float *qt, const int64_t *at,
                                      int d, int dtype, float *s, int v0, int nv, int count) {
@@ -114,11 +123,11 @@ static ALWAYS_INLINE void score_tile(const void *k, int stride, const float *qt,
 static ALWAYS_INLINE void value_tile(const void *v_cache, int stride, const float *w,
                                      const int64_t *at, int d, int dtype, float *acc, int r0,
                                      int c, int n, int W) {
-    vf a[MR][4];
+    vf a[MR][VW];
     for (int r = 0; r < MR; r++)
         for (int t = 0; t < W; t++) memcpy(&a[r][t], acc + (r0 + r) * d + c + t * V, sizeof(vf));
     for (int j = 0; j < n; j++) {
-        vf v[4];
+        vf v[VW];
         for (int t = 0; t < W; t++) v[t] = load_v(v_cache, dtype, at[j] + c + t * V);
         for (int r = 0; r < MR; r++) {
             const float x = w[j * stride + r0 + r];
@@ -187,8 +196,10 @@ static ALWAYS_INLINE void tiles_chunk(Tiles *w, const void *k, const void *v, in
         for (int v0 = 0; v0 < vectors; v0 += RV) {
             switch (vectors - v0) { /* a constant nv keeps the tile in registers */
             case 1: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 1, count); break;
+#if RV == 4
             case 2: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 2, count); break;
             case 3: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 3, count); break;
+#endif
             default: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, RV, count); break;
             }
         }
@@ -196,8 +207,8 @@ static ALWAYS_INLINE void tiles_chunk(Tiles *w, const void *k, const void *v, in
     softmax_chunk(w, vectors, c0, n, d, masked);
     for (int r0 = 0; r0 < rows; r0 += MR) {
         int c = 0;
-        for (; c + 4 * V <= d; c += 4 * V)
-            value_tile(v, stride, w->s, v_at, d, dtype, w->acc, r0, c, n, 4);
+        for (; c + VW * V <= d; c += VW * V)
+            value_tile(v, stride, w->s, v_at, d, dtype, w->acc, r0, c, n, VW);
         for (; c < d; c += V) value_tile(v, stride, w->s, v_at, d, dtype, w->acc, r0, c, n, 1);
     }
 }

@@ -6,7 +6,7 @@ and one behind a long prefix (the prompt kernel), all in one mixed step; the sam
 retention policy's dropped blocks; a head size off the prompt kernel's vectors (the
 reference's call); and the real model's greedy tokens. The group tests run with prompts
 through the prompt kernel and through the reference both, whichever this CPU's dispatch
-picks (prefill_pays: AVX-512 or not).
+picks (prefill_pays: AVX-512, or AVX2 and FMA).
 """
 
 from __future__ import annotations
