@@ -64,7 +64,7 @@ def prefill_pays() -> bool:
     (one 256-bit register) elsewhere, sized so a tile's accumulators fill the registers
     (cpu_tiles.h). On a 2-core AMD EPYC with AVX2 only, 16-float tiles split in two no
     longer fitted and ran at 3-6 GFLOP/s where torch's reference reached 23-39; 8-float
-    tiles run at 45-51 GFLOP/s on its large prompt shapes (benchmarks/cpu_kernels.py).
+    tiles run at 42-53 GFLOP/s on its large prompt shapes (benchmarks/cpu_kernels.py).
     Elsewhere prompts take the reference (kvlab.model.cpu_attention); the kernel still runs
     when called directly.
     """
