@@ -108,6 +108,18 @@ static int check_args(const Problem *p, int64_t num_slots) {
     return KVLAB_OK;
 }
 
+/* 1 when this build's register tiles run at the CPU's matmul rate: its target has
+ * AVX-512 (tiles of 16-float vectors), or AVX2 with FMA (8-float vectors, cpu_tiles.h).
+ * Anything else (no -march=native, another architecture) computes the same result in
+ * scalar or split vectors, slower than torch's attention. */
+int kvlab_prefill_tiles_fit(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* q, out: (Q, heads, head_dim) contiguous, rows at positions S - Q .. S - 1; k, v:
  * (num_slots, kv_heads, head_dim) with the given element strides, last dim contiguous;
  * slots: (S,) contiguous. */

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from .cpu_build import DTYPES, cpu_flags, native_function, raise_for, rows_contiguous
+from .cpu_build import DTYPES, native_function, raise_for, rows_contiguous
 from .cpu_decode import check_q_and_caches
 
 ERRORS = {  # kvlab_paged_prefill's return codes
@@ -57,19 +57,22 @@ def prefill_fits(head_dim: int) -> bool:
 
 @functools.cache
 def prefill_pays() -> bool:
-    """Whether the kernel outruns torch's attention on this CPU: where it has AVX-512, or
-    AVX2 with FMA.
+    """Whether the kernel outruns torch's attention here: where the library is built for
+    AVX-512, or for AVX2 with FMA (`kvlab_prefill_tiles_fit`, which asks the compiler's
+    target, so a build without -march=native answers for itself).
 
     Its register tiles are rows of 16 floats (one 512-bit register) with AVX-512 and of 8
-    (one 256-bit register) elsewhere, sized so a tile's accumulators fill the registers
+    (one 256-bit register) with AVX2, sized so a tile's accumulators fill the registers
     (cpu_tiles.h). On a 2-core AMD EPYC with AVX2 only, 16-float tiles split in two no
     longer fitted and ran at 3-6 GFLOP/s where torch's reference reached 23-39; 8-float
     tiles run at 42-53 GFLOP/s on its large prompt shapes (benchmarks/cpu_kernels.py).
-    Elsewhere prompts take the reference (kvlab.model.cpu_attention); the kernel still runs
-    when called directly.
+    Elsewhere, or without the library, prompts take the reference
+    (kvlab.model.cpu_attention); the kernel still runs when called directly.
     """
-    flags = cpu_flags()
-    return "avx512f" in flags or {"avx2", "fma"} <= flags
+    try:
+        return bool(native_function("kvlab_prefill_tiles_fit", [])())
+    except RuntimeError:  # the library is unavailable
+        return False
 
 
 def cpu_paged_prefill_attention(

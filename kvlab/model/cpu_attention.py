@@ -13,8 +13,8 @@ Every group of meta.groups (kvlab.model.metadata) is one of two kinds:
   register tiles over the rows' causal spans, where the reference's
   scaled_dot_product_attention computes every one of the Q x S scores of a masked call.
 
-A head size off the prompt kernel's 16-float vectors, or a CPU with neither AVX-512 nor
-AVX2 and FMA (where the kernel's tiles need not beat torch's rate:
+A head size off the prompt kernel's 16-float vectors, or a library built for neither
+AVX-512 nor AVX2 and FMA (where the kernel's tiles need not beat torch's rate:
 `kvlab.kernels.cpu_prefill.prefill_pays`), takes the reference's call.
 """
 
