@@ -37,7 +37,10 @@
 # 6. `n > 1` sampling: the samples share the prompt's pages, copy-on-write.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model.
+# the model. `FULL_SIZE = True` gives A the longest document (~1,600 tokens instead of
+# ~400), sweeps section 3 up to 8 sharers instead of 4, puts two document questions in
+# section 4's traffic and samples 16 tokens instead of 8 in section 6 (about a minute more
+# on a CPU).
 
 # %%
 import platform
@@ -55,6 +58,10 @@ pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
+FULL_SIZE = False  # True: the longest document, 8 sharers, document questions, longer samples
+DOC_A = "doc16_history_of_maps" if FULL_SIZE else "doc08_remote_work_policy"
+SHARERS = [1, 2, 4, 8] if FULL_SIZE else [1, 2, 4]  # section 3's request counts
+SAMPLE_TOKENS = 16 if FULL_SIZE else 8  # section 6's tokens per sample
 
 # %% [markdown]
 # ## 1 · Requests A and B, step by step
@@ -63,7 +70,8 @@ model = kvlab.load_model(device=device, progress=False)
 # preamble (~300 tokens of rules), then a document, then a question. The engine wraps
 # each in the model's chat template, which adds a short system message in front.
 #
-# * **A** asks about the longest document (~1,600 tokens): a prompt of ~1,900 tokens.
+# * **A** asks about a longer document (~400 tokens): a prompt of ~740 tokens (with
+#   `FULL_SIZE`, the longest document: ~1,600 tokens, a prompt of ~1,900).
 # * **B** asks about the shortest one (~120 tokens) with the **same preamble**.
 
 # %%
@@ -74,7 +82,7 @@ def doc_prompt(doc: str, question: str) -> str:
     return f"{preamble}\n\n{docs[doc]}\n\nQuestion: {question}"
 
 
-prompt_a = doc_prompt("doc16_history_of_maps", questions[0])
+prompt_a = doc_prompt(DOC_A, questions[0])
 prompt_b = doc_prompt("doc01_library_rules", questions[1])
 
 config = kvlab.EngineConfig(
@@ -162,13 +170,13 @@ print(f"used {alloc.num_used}, cached {alloc.num_cached}, free {alloc.num_free}"
 #
 # * **Q**: the preamble and a one-line question (~330 tokens, ~90% cached);
 # * **B** from above (~450 tokens, two thirds cached);
-# * **C**: a follow-up question on A's document (~1,900 tokens, almost all cached).
+# * **C**: a follow-up question on A's document (~740 tokens, almost all cached).
 #
 # Each time is a single measurement, so on a busy machine expect some noise.
 
 # %%
 prompt_q = sharing.preamble_prompts(1)[0]
-prompt_c = doc_prompt("doc16_history_of_maps", questions[2])
+prompt_c = doc_prompt(DOC_A, questions[2])
 warm = {
     "Q": sharing.serve(engine, prompt_q, params),
     "B": sharing.output_of(engine, b),
@@ -218,8 +226,10 @@ print({name: warm[name].token_ids == cold[name].token_ids for name in prompts})
 # we count prompt tokens computed and the peak number of KV blocks held.
 
 # %%
-explorer = viz.SharingExplorer(model, sharing.preamble_prompts(16), requests=8, max_new_tokens=4)
-sweep = explorer.sweep([1, 2, 4, 8])
+explorer = viz.SharingExplorer(
+    model, sharing.preamble_prompts(16), requests=max(SHARERS), max_new_tokens=4
+)
+sweep = explorer.sweep(SHARERS)
 print(sweep.to_string(index=False))
 
 # %%
@@ -232,13 +242,15 @@ viz.sharing_figure(sweep).show()
 # the question). The hit rate approaches the preamble's share of a prompt (~90%).
 
 # %%
-n8 = sweep[sweep["requests"] == 8].set_index("mode")
-computed, blocks = n8["tokens computed"], n8["peak blocks"]
+most = sweep[sweep["requests"] == max(SHARERS)].set_index("mode")
+(computed, computed_alone), (blocks, blocks_alone) = (
+    (most.loc["with sharing", c], most.loc["without sharing", c])
+    for c in ("tokens computed", "peak blocks")
+)
 print(
-    f"8 requests: {computed['with sharing']} vs {computed['without sharing']} prompt tokens "
-    f"computed ({1 - computed['with sharing'] / computed['without sharing']:.0%} fewer), "
-    f"peak {blocks['with sharing']} vs {blocks['without sharing']} blocks "
-    f"({1 - blocks['with sharing'] / blocks['without sharing']:.0%} less KV memory)"
+    f"{max(SHARERS)} requests: {computed} vs {computed_alone} prompt tokens computed "
+    f"({1 - computed / computed_alone:.0%} fewer), peak {blocks} vs {blocks_alone} blocks "
+    f"({1 - blocks / blocks_alone:.0%} less KV memory)"
 )
 
 # %% [markdown]
@@ -249,13 +261,14 @@ print(
 # **token** granularity: after the full blocks it finds the cached block sharing the
 # longest run of tokens and copies those slots into the new request's fresh block.
 #
-# Four requests served one after another: two preamble questions, then two questions
-# about the same short document (those two share preamble + document).
+# Three preamble questions served one after another (with `FULL_SIZE`: two preamble
+# questions, then two questions about the same short document, which share preamble +
+# document).
 
 # %%
-traffic = sharing.preamble_prompts(2) + [
-    doc_prompt("doc01_library_rules", q) for q in (questions[3], questions[4])
-]
+traffic = sharing.preamble_prompts(2 if FULL_SIZE else 3)
+if FULL_SIZE:
+    traffic += [doc_prompt("doc01_library_rules", q) for q in (questions[3], questions[4])]
 hits = sharing.index_hits(model, traffic, block_sizes=(16, 64))
 print(hits.to_string())
 
@@ -267,7 +280,7 @@ print(hits.to_string())
 
 # %%
 hit_rates = hits.filter(like="/").sum() / hits["prompt tokens"].sum()
-print("hit rate over the four requests (index/block size):")
+print(f"hit rate over the {len(traffic)} requests (index/block size):")
 print((100 * hit_rates).round(1).to_string())
 
 # %% [markdown]
@@ -307,7 +320,9 @@ salted.cache.check_integrity()  # asserts, among others, that no page is shared 
 # `seed + i`, the seeds the forks use), prefix caching off in both runs.
 
 # %%
-sampling = kvlab.SamplingParams(n=4, temperature=0.8, seed=0, max_new_tokens=16, ignore_eos=True)
+sampling = kvlab.SamplingParams(
+    n=4, temperature=0.8, seed=0, max_new_tokens=SAMPLE_TOKENS, ignore_eos=True
+)
 cow, cow_stats = sharing.fork_vs_separate(model, prompt_q, sampling)
 for name, row in cow.items():
     print(f"{name:22}", {k: v for k, v in row.items() if k != "texts"})
