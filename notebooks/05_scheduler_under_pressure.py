@@ -34,7 +34,10 @@
 # batching, and chunked prefill.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model.
+# the model. `FULL_SIZE = True` runs the larger workloads: 32 tokens per request in the
+# burst instead of 16, victims up to 512 tokens instead of 256, long answers of 48 tokens
+# instead of 24 (short ones 4 instead of 2), a 768-token prompt instead of 384, and 24
+# tokens per request in the explorer instead of 12 (about a minute more on a CPU).
 
 # %%
 import platform
@@ -58,22 +61,29 @@ pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
+FULL_SIZE = False  # True: longer answers, victims and prompt (the sizes listed above)
+BURST_TOKENS = 32 if FULL_SIZE else 16  # section 1: tokens per request of the burst
+VICTIMS = [32, 128, 256, 512] if FULL_SIZE else [32, 128, 256]  # section 3: victim lengths
+ANSWERS = [4, 4, 4, 48] if FULL_SIZE else [2, 2, 2, 24]  # section 4: short, short, short, long
+LONG_PROMPT, STREAM_TOKENS = (768, 40) if FULL_SIZE else (384, 24)  # section 5
+EXPLORER = dict(budget_tokens=128 if FULL_SIZE else 96, max_new_tokens=24 if FULL_SIZE else 12)
 
 # %% [markdown]
 # ## 1 · A burst that does not fit
 #
-# Eight chat requests arrive at once, each asking for 32 tokens (`ignore_eos=True`, so
+# Eight chat requests arrive at once, each asking for 16 tokens (`ignore_eos=True`, so
 # every request produces exactly that many and every count below is the same on every
 # run). First they are served with plenty of memory: that run is the reference.
 
 # %%
-requests = stress.burst(8, max_new_tokens=32)
+requests = stress.burst(8, max_new_tokens=BURST_TOKENS)
 calm, calm_outputs = stress.serve_burst(model, requests)
 demand = stress.kv_demand(calm, requests)
 budget = stress.oversubscribed_budget(demand, factor=4, block_size=8)
-print(f"KV demand of the burst: {demand} token slots (prompt + 32 new tokens, summed)")
+print(f"KV demand of the burst: {demand} token slots (prompt + {BURST_TOKENS} new, summed)")
 print(f"budget for 4x oversubscription: {budget} slots = {budget // 8} blocks of 8 tokens")
-print(f"one request at its longest: {max(len(o.prompt_token_ids) for o in calm_outputs) + 32}")
+longest = max(len(o.prompt_token_ids) for o in calm_outputs) + BURST_TOKENS
+print(f"one request at its longest: {longest}")
 
 # %% [markdown]
 # Now the same burst with a quarter of that memory. `admission="watermark"`, the paged
@@ -144,9 +154,8 @@ print(stalls.round(2).to_string())
 
 # %%
 text_ids = model.tokenizer.encode(texts.heldout())
-lengths = [32, 128, 256, 512]
 costs = pd.concat(
-    [stress.preemption_cost(model, text_ids, lengths, mode) for mode in ("swap", "recompute")]
+    [stress.preemption_cost(model, text_ids, VICTIMS, mode) for mode in ("swap", "recompute")]
 )
 by_mode = {mode: rows.set_index("victim_tokens") for mode, rows in costs.groupby("mode")}
 moved = pd.DataFrame(
@@ -184,13 +193,13 @@ cost_figure(costs).show()
 # ## 4 · Static vs continuous batching
 #
 # The scheduler runs at most `max_num_seqs=4` requests at a time. Sixteen chat requests
-# arrive together with mixed output lengths: three short answers (4 tokens) for every
-# long one (48 tokens). **Static** batching starts a new batch only when the whole
+# arrive together with mixed output lengths: three short answers (2 tokens) for every
+# long one (24 tokens). **Static** batching starts a new batch only when the whole
 # previous one has finished, so the short answers' seats stay empty while the long one
 # finishes. **Continuous** batching fills a seat as soon as it is free.
 
 # %%
-mixed = stress.alternating(workloads.uniform_chat(16), [4, 4, 4, 48])
+mixed = stress.alternating(workloads.uniform_chat(16), ANSWERS)
 batching = {
     b: stress.serve_batching(model, mixed, b, max_num_seqs=4) for b in ("static", "continuous")
 }
@@ -228,14 +237,14 @@ print(f"continuous / static throughput: {ratio:.2f}x")
 # %% [markdown]
 # ## 5 · Chunked prefill: keeping the decode streams flowing
 #
-# Four requests are decoding when a 768-token prompt arrives. Without chunking, its
+# Four requests are decoding when a 384-token prompt arrives. Without chunking, its
 # prefill is one step of its own, and nobody else gets a token until it is over. With
 # `chunked_prefill=True` and `schedule_order="decode-first"`, every step first gives each
 # running stream its one decode token, then fills the rest of its token budget
 # (`max_num_batched_tokens=64`) with the next chunk of the prompt.
 
 # %%
-long_prompt = text_ids[:768]
+long_prompt = text_ids[:LONG_PROMPT]
 streams = texts.chat_prompts()[:4]
 base = dict(cache="paged", max_model_len=1024, kv_budget_tokens=4096)
 configs = {
@@ -245,7 +254,7 @@ configs = {
     ),
 }
 arrivals = {
-    name: stress.long_prompt_arrives(model, config, streams, long_prompt, stream_tokens=40)
+    name: stress.long_prompt_arrives(model, config, streams, long_prompt, STREAM_TOKENS)
     for name, config in configs.items()
 }
 for name, engine in arrivals.items():
@@ -284,14 +293,14 @@ gaps_figure(gaps).show()
 # ## 6 · Try it: the stress explorer
 #
 # Pick a KV budget (token slots), a burst size and a preemption policy: the widget
-# serves that burst live (24 tokens per request, blocks of 8) and redraws the requests and
+# serves that burst live (12 tokens per request, blocks of 8) and redraws the requests and
 # the free list. Start tight and give it more memory until the preemptions stop; switch
 # policy and watch red (recompute) bars turn orange (swap). (A few seconds per change on
 # a laptop CPU.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-StressExplorer(model, budget_tokens=128, burst=6, policy="recompute", max_new_tokens=24)
+StressExplorer(model, burst=6, policy="recompute", **EXPLORER)
 
 # %% [markdown]
 # ## What to try next
