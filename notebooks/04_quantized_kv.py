@@ -33,7 +33,8 @@
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. `FULL_SIZE = True` scores greedy agreement on all 64 chat prompts instead of
-# 8, with answers of up to 48 tokens instead of 32 (several more minutes on a CPU).
+# 4, with answers of up to 48 tokens instead of 16, and perplexity on 1,024 tokens of prose
+# instead of 256 (several more minutes on a CPU).
 
 # %%
 import platform
@@ -61,9 +62,9 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 runner = ModelRunner(model.hf_model)
 FULL_SIZE = False  # True: 1,024 tokens of prose; all 64 chat prompts, 16 answered freely
-PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (8, 4)
-NEW_TOKENS = 48 if FULL_SIZE else 32  # each answer's greedy tokens, at most
-TEXT_TOKENS = 1024 if FULL_SIZE else 512
+PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (4, 2)
+NEW_TOKENS = 48 if FULL_SIZE else 16  # each answer's greedy tokens, at most
+TEXT_TOKENS = 1024 if FULL_SIZE else 256
 
 # %% [markdown]
 # ## 1 · Seven codecs, one interface
@@ -89,7 +90,7 @@ print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
 #
 # ## 2 · Real keys and values
 #
-# `quality.teacher_forced` feeds the first `TEXT_TOKENS` (512; 1,024 at full size) tokens
+# `quality.teacher_forced` feeds the first `TEXT_TOKENS` (256; 1,024 at full size) tokens
 # of kvlab's held-out prose through kvlab's own forward pass in chunks of 128, like a
 # chunked prefill: each chunk attends to the K/V that earlier chunks wrote **through the
 # codec**. The baseline and all seven codecs run in lockstep on the same text. It also
@@ -148,14 +149,14 @@ CodecExplorer(forcing.k, forcing.v, codec="int4", layer=layer)
 #
 # `quality.codec_report` adds to the teacher-forced scores:
 #
-# * **greedy agreement**: the paged engine answers the first `PROMPTS` of kvlab's 64 chat
-#   prompts greedily (to EOS, at most `NEW_TOKENS` each: about 250 answer tokens for 8)
-#   without a codec;
+# * **greedy agreement**: the paged engine answers `PROMPTS` of kvlab's 64 chat prompts,
+#   spread over the list (every 16th, so 4; all 64 at full size), greedily (to EOS, at
+#   most `NEW_TOKENS` each: 64 answer tokens at most for these 4) without a codec;
 #   then, at every step of those answers, does the codec pick the same greedy token given
 #   the same history? Each step reads its K/V back through the codec, as a decode step
-#   does. `free_run_agreement` lets each codec answer the first `FREE_RUN` on its own
-#   instead: it is strict, since after a first difference the rest of the answer usually
-#   differs too, so one near-tie between two tokens costs a whole answer;
+#   does. `free_run_agreement` lets each codec answer the first `FREE_RUN` (2; 16 at full
+#   size) on its own instead: it is strict, since after a first difference the rest of
+#   the answer usually differs too, so one near-tie between two tokens costs a whole answer;
 # * **K/V error**: the codec alone, on the baseline's real K/V;
 # * **capacity**: how many of 128 doc-QA requests (a ~300-token preamble, a document
 #   and a question; 8-24 answer tokens) the paged cache admits at once from a full
@@ -173,7 +174,7 @@ start = time.perf_counter()
 report = quality.codec_report(
     model,
     forcing=forcing,
-    prompts=texts.chat_prompts()[:PROMPTS],
+    prompts=texts.chat_prompts()[:: 64 // PROMPTS][:PROMPTS],
     new_tokens=NEW_TOKENS,
     free_run=FREE_RUN,
     budget_bytes=budget,
@@ -204,10 +205,14 @@ for target, met in targets.items():
 # %% [markdown]
 # Read the table from the top: fp16 and bf16 are free in quality and halve the bytes.
 # int8 halves them again and stays close to the baseline in perplexity, KL and greedy
-# agreement. Its free-running answers still differ more often: where two tokens nearly
-# tie, a tiny change of the logits flips the choice once, and the rest of that answer
-# then goes its own way (the free-run column counts every later token as a miss).
-# fp8 e4m3 (3 mantissa bits) costs a little more; e5m2 (2 mantissa bits) more again.
+# agreement. Free-running answers differ more often than the stepwise choices (compare
+# the two agreement columns of fp8 and int4): where two tokens nearly tie, a tiny change
+# of the logits flips the choice once, and the rest of that answer then goes its own way
+# (the free-run column counts every later token as a miss). With so few answers these
+# two columns are coarse; `FULL_SIZE` scores all 64 prompts (16 answered freely), where
+# int8's free answers leave the baseline's too. fp8 e4m3 (3 mantissa bits) moves further
+# from the baseline's next-token distributions (KL, top-1); e5m2 (2 mantissa bits)
+# further again, and its perplexity rises.
 # int4 and the 2-bit kivi2 cost a lot on a model this small: 135M parameters leave little
 # redundancy to absorb the noise. Compare the mean key error of int4 (4 bits, per token)
 # with kivi2 (2 bits, per channel): per-channel grouping is what makes 2-bit keys usable.

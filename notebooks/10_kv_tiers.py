@@ -150,7 +150,9 @@ stack.close()
 # Each session ends (`engine.end_session`) after its last turn, freeing its blocks on
 # every tier.
 #
-# The same trace runs through five configurations (the policies are registered parts):
+# Here 4 sessions of 2 turns, 4 new tokens a turn, on a 22-block device pool (`FULL_SIZE`:
+# the benchmark's 10 sessions of 3 turns, 16 new tokens, a 64-block pool). The same trace
+# runs through five configurations (the policies are registered parts):
 
 # %%
 for registry in (WRITE_POLICIES, LOAD_POLICIES):
@@ -158,7 +160,7 @@ for registry in (WRITE_POLICIES, LOAD_POLICIES):
         print(f"{name:18} {policy.describe}")
 
 # %%
-n, turns, pool, new = (10, 3, 1024, 16) if FULL_SIZE else (4, 3, 384, 6)
+n, turns, pool, new = (10, 3, 1024, 16) if FULL_SIZE else (4, 2, 352, 4)
 sessions = chat_sessions(n, turns, max_doc_chars=2500 if FULL_SIZE else 1200)
 trace = tier_exp.compare_tiering(model, sessions, pool_tokens=pool, max_new_tokens=new,
                                  end_after=True, observe="host+disk", every=3)  # fmt: skip
