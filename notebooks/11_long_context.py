@@ -56,10 +56,11 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 FULL_SIZE = False  # True: haystacks of 1k-4k tokens, 3 depths, 4k tokens of text
-NEEDLE_LENGTHS = [1000, 2000, 4000] if FULL_SIZE else [300]
+NEEDLE_LENGTHS = [1000, 2000, 4000] if FULL_SIZE else [160]
 NEEDLE_DEPTHS = [0.1, 0.5, 0.9] if FULL_SIZE else [0.25, 0.75]
-PPL_TOKENS, PPL_BUDGET = (4096, 256) if FULL_SIZE else (768, 128)
-FRACTIONS = (0.1, 0.25, 0.5) if FULL_SIZE else (0.25, 0.5)  # budgets: shares of the KV
+PPL_TOKENS, PPL_BUDGET = (4096, 256) if FULL_SIZE else (384, 96)
+FRACTIONS = (0.1, 0.25, 0.5) if FULL_SIZE else (0.5,)  # budgets: shares of the KV
+MAP_TOKENS, MAP_NEW = (200, 48) if FULL_SIZE else (160, 32)  # the block map's request
 CHUNK = 64  # prefill chunk: a policy acts between chunks
 print(model.name, "on", device)
 
@@ -77,18 +78,18 @@ print("retention policies:", RETENTION.names())
 # %% [markdown]
 # ## The block map as the window slides
 #
-# 200 tokens of held-out prose, prefilled in chunks of 32, then 48 greedy tokens, with
+# 160 tokens of held-out prose, prefilled in chunks of 32, then 32 greedy tokens, with
 # sinks = 16 tokens (one block) and a window of 64. Each row is the sequence's block
 # table after a step: blue blocks are kept (the number is the physical block), orange
 # ones were dropped and went back to the free list. The table keeps its length: position
 # `p` still lives in logical block `p // 16`.
 
 # %%
-text = quality.heldout_ids(model, 200)
+text = quality.heldout_ids(model, MAP_TOKENS)
 sliding = EngineConfig(cache="paged", retention="sinks", retention_sinks=16,
                        retention_window=64, chunked_prefill=True, max_num_batched_tokens=32,
                        kv_budget_tokens=512)  # fmt: skip
-trace = longctx.table_trace(model, text, sliding, max_new_tokens=48)
+trace = longctx.table_trace(model, text, sliding, max_new_tokens=MAP_NEW)
 last = trace[trace["step"] == trace["step"].max()]
 print("last table:", [b if b != DROPPED else "x" for b in last["physical"]])
 block_map_figure(trace)
@@ -98,7 +99,7 @@ block_map_figure(trace)
 
 # %%
 window_only = EngineConfig(**{**sliding.__dict__, "retention": "window"})
-trace = longctx.table_trace(model, text, window_only, max_new_tokens=48)
+trace = longctx.table_trace(model, text, window_only, max_new_tokens=MAP_NEW)
 last = trace[trace["step"] == trace["step"].max()]
 print("last table:", [b if b != DROPPED else "x" for b in last["physical"]])
 
@@ -178,7 +179,7 @@ print(baseline[["context_tokens", "depth", "recalled", "answer"]].to_string(inde
 # %% [markdown]
 # ## Recall vs KV kept
 #
-# Every policy at 25 and 50 % of each haystack's KV (`FULL_SIZE`: 10 % too), on the same
+# Every policy at 50 % of each haystack's KV (`FULL_SIZE`: 10 and 25 % too), on the same
 # needles. The prompt streams in by chunks, so the question at the end only sees what the
 # policy kept.
 

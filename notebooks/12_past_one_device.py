@@ -24,7 +24,9 @@
 # this machine (gloo all-reduces; a local socket for the KV), so their bookkeeping can be
 # checked: tokens identical to one engine, KV bytes per rank, bytes moved.
 #
-# Set-up: one cell loads the model.
+# Set-up: one cell loads the model. `FULL_SIZE = True` runs the earlier, larger workloads
+# (8 tokens per tensor-parallel answer; long prompts of 2,400 characters among 32-token
+# chats).
 
 # %%
 import pandas as pd
@@ -40,6 +42,9 @@ pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
 model = kvlab.load_model(device="cpu", progress=False)
 cfg = model.config
+FULL_SIZE = False  # True: 8-token tp answers; 2,400-character long prompts, 32-token chats
+TP_TOKENS = 8 if FULL_SIZE else 4  # greedy tokens per prompt at each tp
+LONG_CHARS, CHAT_TOKENS, GAP_S = (2400, 32, 1.0) if FULL_SIZE else (1200, 16, 0.5)
 print(f"{cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads, "
       f"{cfg.num_hidden_layers} layers")  # fmt: skip
 
@@ -58,13 +63,13 @@ except ValueError as error:
 
 # %% [markdown]
 # Each size below starts its ranks as processes (rank 0 here runs the scheduler and the
-# cache; ranks 1 .. tp - 1 load the checkpoint and keep their slices), generates from two
-# chat prompts, and reports what one rank stores. Past tp = 3 the 3 KV heads cannot be
-# split further: at tp = 9 each KV head is replicated on three ranks, and per-rank KV
-# stays at one head's worth.
+# cache; ranks 1 .. tp - 1 load the checkpoint and keep their slices), generates 4 tokens
+# for each of two chat prompts, and reports what one rank stores. Past tp = 3 the 3 KV
+# heads cannot be split further: at tp = 9 each KV head is replicated on three ranks, and
+# per-rank KV stays at one head's worth.
 
 # %%
-rows = tensor_parallel.run_tp(model, texts.chat_prompts()[:2], [1, 3, 9], max_new_tokens=8)
+rows = tensor_parallel.run_tp(model, texts.chat_prompts()[:2], [1, 3, 9], TP_TOKENS)
 table = pd.DataFrame.from_dict(rows, orient="index")
 print(table[["kv_heads_per_rank", "kv_bytes_per_token_per_rank", "all_reduces_per_step",
              "identical_to_tp1"]].to_string())  # fmt: skip
@@ -85,8 +90,8 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 # %% [markdown]
 # ## 2 · Disaggregated prefill/decode under long-prompt interference
 #
-# Four chat requests decode while two long prompts (the first 2,400 characters of two
-# doc-QA prompts, ~510 tokens each) arrive among them.
+# Four chat requests decode 16 tokens each while two long prompts (the first 1,200
+# characters of two doc-QA prompts, ~250 tokens each) arrive among them, 0.5 s apart.
 # **Colocated**, each long prefill is a step every running decode waits for (chunked
 # prefill splits it into smaller stalls). **Disaggregated**, a second process prefills; the
 # decode engine admits the finished KV as it would swap a preempted request back in. The
@@ -94,8 +99,8 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 # prompts' KV bytes:
 
 # %%
-trace = disagg.interference_trace(n_chat=4, n_long=2, chat_tokens=32, long_tokens=4,
-                                  gap_s=1.0, long_chars=2400)  # fmt: skip
+trace = disagg.interference_trace(n_chat=4, n_long=2, chat_tokens=CHAT_TOKENS, long_tokens=4,
+                                  gap_s=GAP_S, long_chars=LONG_CHARS)  # fmt: skip
 setups = disagg.compare(model, trace)
 prompt_tokens = sum(len(model.tokenizer(r.prompt).input_ids) for r in trace[4:])
 print({name: row["identical_to_colocated"] for name, row in setups.items()})
