@@ -61,15 +61,16 @@ model = kvlab.load_model(device=device, progress=False)
 # ## 1 · The workload
 #
 # `kvlab.workloads.doc_qa` builds document-QA requests: a shared ~300-token assistant
-# preamble, one of 16 documents, then a question. Prompts are long (here ~450 to ~860
-# tokens); answers are short. To keep this notebook to a few minutes on a laptop CPU
-# (where prefill runs at a few hundred prompt tokens per second) we take 6 requests and
-# shorter answers than the default (8-16 tokens, and 32-48 for the 30 % "long" ones).
-# All arrive at once, and `ignore_eos=True` makes each produce exactly its
-# `max_new_tokens`, so every count below is the same on every run.
+# preamble, one of 16 documents, then a question. Prompts are long (here ~460 to ~580
+# tokens); answers are short. To keep this notebook to a minute or two on a laptop CPU
+# (where prefill runs at a few hundred prompt tokens per second) we take 4 requests, a
+# seed whose documents are among the shortest, and short answers only (8-16 tokens; by
+# default 30 % of the answers are "long", 64-128 tokens). All arrive at once, and
+# `ignore_eos=True` makes each produce exactly its `max_new_tokens`, so every count below
+# is the same on every run.
 
 # %%
-requests = workloads.doc_qa(n=6, seed=8, short_answer=(8, 16), long_answer=(32, 48))
+requests = workloads.doc_qa(n=4, seed=2387, short_answer=(8, 16), long_fraction=0)
 probe = kvlab.Engine(model, kvlab.EngineConfig(max_model_len=2048, kv_budget_tokens=2048))
 prompt_tokens = [len(probe.encode(r.prompt)) for r in requests]
 print("prompt tokens: ", prompt_tokens)
@@ -78,10 +79,10 @@ print("max_new_tokens:", [r.max_new_tokens for r in requests])
 # %% [markdown]
 # ## 2 · One budget, two caches
 #
-# Both engines get a KV budget of 3 × 2,048 = 6,144 token slots and `max_model_len=2048`
-# (the longest prompt + answer must fit). The naive cache cuts the budget into 3 regions of
-# 2,048 slots, so **at most 3 requests run at once**, however short they are. The paged
-# cache cuts it into 6,144 / 16 = 384 blocks and gives a sequence a new block only when its
+# Both engines get a KV budget of 2 × 2,048 = 4,096 token slots and `max_model_len=2048`
+# (the longest prompt + answer must fit). The naive cache cuts the budget into 2 regions of
+# 2,048 slots, so **at most 2 requests run at once**, however short they are. The paged
+# cache cuts it into 4,096 / 16 = 256 blocks and gives a sequence a new block only when its
 # last one is full.
 #
 # 2,048 is already kind to the naive cache. kvlab's default `max_model_len` is 8,192 (the
@@ -90,7 +91,7 @@ print("max_new_tokens:", [r.max_new_tokens for r in requests])
 
 # %%
 try:
-    kvlab.Engine(model, kvlab.EngineConfig(cache="naive", kv_budget_tokens=3 * 2048))
+    kvlab.Engine(model, kvlab.EngineConfig(cache="naive", kv_budget_tokens=2 * 2048))
 except ValueError as error:
     print("ValueError:", error)
 
@@ -105,7 +106,7 @@ for name in ("naive", "paged"):
         cache=name,
         block_size=16,
         max_model_len=2048,
-        kv_budget_tokens=3 * 2048,
+        kv_budget_tokens=2 * 2048,
         record_block_map=True,
     )
     engines[name] = kvlab.Engine(model, config)
@@ -170,8 +171,8 @@ print(
 # %% [markdown]
 # ### What admission buys
 #
-# Above, the paged cache's admission never had to choose: all 6 requests and their answers
-# fitted in its 384 blocks. When the answers outgrow the pool, the
+# Above, the paged cache's admission never had to choose: all 4 requests and their answers
+# fitted in its 256 blocks. When the answers outgrow the pool, the
 # paged cache must decide whom to let in, `EngineConfig.admission`:
 #
 # * `"watermark"`, the paged default, as vLLM: a request is admitted as soon as its
@@ -181,7 +182,9 @@ print(
 #   (prompt + `max_new_tokens`) fit beside what the running requests could still claim:
 #   nothing is ever preempted, but fewer run at once.
 #
-# Six chat requests (~40-token prompts, 24-token answers) in 16 blocks of 8 slots:
+# Three chat requests (37-, 38- and 44-token prompts, 8-token answers) in 16 blocks of 8
+# slots: their prompts fill the pool exactly (5 + 5 + 6 blocks), and their answers need
+# three blocks more:
 
 # %%
 pressure, tokens = {}, {}
@@ -190,7 +193,7 @@ for admission in ("watermark", "reserve"):
         cache="paged", admission=admission, block_size=8, max_model_len=128, kv_budget_tokens=16 * 8
     )
     engine = kvlab.Engine(model, config)
-    answers = engine.run(workloads.uniform_chat(6, max_new_tokens=24), ignore_eos=True)
+    answers = engine.run(workloads.uniform_chat(3, max_new_tokens=8), ignore_eos=True)
     pressure[admission], tokens[admission] = engine.stats(), [a.token_ids for a in answers]
 table = occupancy_table(pressure)
 table["recomputed tokens"] = [int(p["recomputed_tokens"].iloc[-1]) for p in pressure.values()]
@@ -212,7 +215,7 @@ print("identical greedy outputs:", tokens["watermark"] == tokens["reserve"])
 # prefill most of the work, it is compute-bound on a CPU, and it costs the same whichever
 # cache stores the result. What paging buys is room: more sequences per step for the same
 # memory. A decode step mostly reads the weights, so on a GPU, where it costs about the
-# same for 3 sequences as for 6, that room turns into throughput.
+# same for 2 sequences as for 4, that room turns into throughput.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -222,7 +225,7 @@ for cache, (wall, cpu) in seconds.items():
 # %% [markdown]
 # ## 5 · The block map
 #
-# Each cell below is one physical block of 16 token slots (384 blocks, 32 per row),
+# Each cell below is one physical block of 16 token slots (256 blocks, 32 per row),
 # coloured by the request that owns it; grey cells are free. **Move the slider** through
 # the engine's steps: the first prefill hands out long runs of blocks in order; once
 # requests finish, their blocks return to the free list and the next request's blocks
@@ -252,14 +255,14 @@ go.Figure(blocks.figure).show()
 # of each sequence's last block empty; at the extreme, one block of `max_model_len` is the
 # naive cache. vLLM's default is 16.
 #
-# **Pick a block size** in the widget: it serves a small chat workload (6 short prompts,
-# 8-24 new tokens) through the paged engine, live, and adds a point for that size: tail
+# **Pick a block size** in the widget: it serves a small chat workload (4 short prompts,
+# 8-16 new tokens) through the paged engine, live, and adds a point for that size: tail
 # waste (mean over steps, % of reserved) and block-table entries per running sequence.
 # Each choice takes a few seconds on a CPU.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-chat = workloads.chat(n=6, max_new_tokens=(8, 24))
+chat = workloads.chat(n=4, max_new_tokens=(8, 16))
 sizes = BlockSizeExplorer(model, chat, budget_tokens=2048, block_size=16)
 sizes.widget()
 
@@ -275,14 +278,14 @@ print(sizes.table().to_string())
 # %% [markdown]
 # ## What to try next
 #
-# * Raise `max_model_len` to 4,096 (and the budget with it, to 3 × 4,096): the naive cache
-#   still runs 3 requests, the paged one all 6.
-# * Use the full `doc_qa()` answers (`long_answer=(64, 128)`): longer answers widen the
-#   gap, because the naive region is reserved for the whole answer from the first step.
-# * Build a `BlockMapExplorer` on `engines["naive"]`: three huge "blocks", one per region.
-# * Halve the budget (`kv_budget_tokens=3 * 1024`, `max_model_len=1024` with shorter
-#   documents): when do `watermark`'s preemptions start, and does `reserve` then finish
-#   sooner?
+# * Raise `max_model_len` to 4,096 (and the budget with it, to 2 × 4,096): the naive cache
+#   still runs 2 requests, the paged one all 4.
+# * Use `doc_qa()`'s default answers (drop `short_answer` and `long_fraction`): longer
+#   answers widen the gap, because the naive region is reserved for the whole answer from
+#   the first step.
+# * Build a `BlockMapExplorer` on `engines["naive"]`: two huge "blocks", one per region.
+# * Halve the budget (`kv_budget_tokens=2 * 1024`, `max_model_len=1024`: these prompts
+#   fit): when do `watermark`'s preemptions start, and does `reserve` then finish sooner?
 # * Many doc-QA prompts start with the same 300-token preamble, computed and stored once
 #   per request here: that is what prefix caching shares.
 #
