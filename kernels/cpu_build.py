@@ -204,6 +204,14 @@ def _key(source: bytes, compiler: str, flags: tuple[str, ...]) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    for line in _cpu_model().splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
 def _cpu_model() -> str:
     """The CPU's model name and feature flags (what -march=native compiles for)."""
     try:

@@ -189,16 +189,6 @@ def test_torch_openmp_threads_and_our_own_give_the_same_bits(tmp_path):
         assert torch.equal(mine, theirs)
 
 
-def _read_flags() -> set[str]:
-    """/proc/cpuinfo's feature flags (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next(x for x in f if x.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.partition(":")[2].split())
-
-
 @pytest.mark.parametrize("flags", [(), ("-march=native",)], ids=["plain", "native"])
 def test_prefill_pays_asks_the_build_not_the_cpu(tmp_path, flags):
     """The tiles' width is fixed when the library compiles (cpu_common.h), so the build
@@ -215,7 +205,7 @@ def test_prefill_pays_asks_the_build_not_the_cpu(tmp_path, flags):
                                                        "-pthread"), target)  # fmt: skip
     assert error is None, error
     fit = ctypes.CDLL(str(target)).kvlab_prefill_tiles_fit()
-    cpu = _read_flags()
+    cpu = cpu_build.cpu_flags()
     assert fit == (bool(flags) and ("avx512f" in cpu or {"avx2", "fma"} <= cpu))
     if flags == ("-march=native",):  # the library kvlab loads is this build
         from kvlab.kernels.cpu_prefill import prefill_pays
