@@ -68,14 +68,15 @@ RESULTS = Path("../benchmarks/results")  # saved `kvlab compare` / `kvlab bench`
 # %% [markdown]
 # ## 1 · The workload
 #
-# Five document-QA requests (notebook 03): the same ~300-token assistant preamble, a
-# document, a question. To keep this notebook to a few minutes on a laptop CPU we take a
-# seed whose documents are short and answers of 8 to 32 tokens. All arrive at once and
+# Four document-QA requests (notebook 03): the same ~300-token assistant preamble, a
+# document, a question. To keep this notebook to a minute or two on a laptop CPU we take
+# a seed whose documents are among the shortest (prompts of 457-576 tokens) and answers
+# of 8 to 32 tokens. All arrive at once and
 # each produces exactly its `max_new_tokens` (`ignore_eos`), so every design serves the
 # same tokens and every count below is the same on every run.
 
 # %%
-requests = workloads.doc_qa(n=5, seed=8, short_answer=(8, 16), long_answer=(24, 32))
+requests = workloads.doc_qa(n=4, seed=2387, short_answer=(8, 16), long_answer=(24, 32))
 print("prompt tokens: ", [len(r.prompt) for r in encode_requests(model, requests)])
 print("max_new_tokens:", [r.max_new_tokens for r in requests])
 
@@ -92,15 +93,15 @@ print("max_new_tokens:", [r.max_new_tokens for r in requests])
 # | `paged+prefix` | plus hash-based prefix caching: the shared preamble is stored once |
 # | `paged+prefix+int8` | plus K/V stored as int8 with a bf16 scale per token per head |
 #
-# Every config gets `max_model_len` = 2,048 (a server set up for doc-QA's longest
-# requests) and the **same KV budget in bytes**: room for one naive sequence, 2,048 token
-# slots in fp32 (2,048 × 46,080 bytes, 90 MiB). int8 KV buys ~3.9× the slots with those
+# Every config gets `max_model_len` = 1,024 (room for these short documents and their
+# answers) and the **same KV budget in bytes**: room for one naive sequence, 1,024 token
+# slots in fp32 (1,024 × 46,080 bytes, 45 MiB). int8 KV buys ~3.9× the slots with those
 # bytes.
 
 # %%
-budget = 2048 * 46_080
+budget = 1024 * 46_080
 result = compare(
-    model, requests, budget_bytes=budget, max_model_len=2048, workload="doc-qa, 5 requests"
+    model, requests, budget_bytes=budget, max_model_len=1024, workload="doc-qa, 4 requests"
 )
 table = result.table()
 exact = [
@@ -117,18 +118,19 @@ print(table[exact].to_string())
 # %% [markdown]
 # Reading the table:
 #
-# * **naive** reserves a whole 2,048-slot region per request: one request at a time,
-#   and more than half of what it reserves is never written (`waste_frac`).
+# * **naive** reserves a whole 1,024-slot region per request: one request at a time,
+#   and about half of what it reserves is never written (`waste_frac`); the longer a
+#   server's `max_model_len`, the larger that share.
 # * **paged** reserves blocks as tokens arrive; its waste is only the tail of each
 #   sequence's last block. It admits a request as soon as its prompt's blocks are free
-#   (watermark admission, as vLLM), so three run at once; `paged+reserve`, which admits
+#   (watermark admission, as vLLM), so two run at once; `paged+reserve`, which admits
 #   only when the blocks a request *could* need (prompt + `max_new_tokens`) fit, runs
-#   two.
+#   one at a time here.
 # * **paged+prefix** stores the shared preamble once: `prefix_hit_rate` is the share of
 #   prompt tokens served from the cache instead of computed, and the blocks saved make
-#   room for more requests.
+#   room for a third request.
 # * **paged+prefix+int8** holds ~3.9× the tokens in the same bytes: every request is
-#   admitted in the first step, and the later four share the first one's preamble blocks
+#   admitted in the first step, and the later three share the first one's preamble blocks
 #   in that very step: a prompt's blocks are published as soon as the step that fills
 #   them is scheduled (as in vLLM V1), so the same `prefix_hit_rate`.
 #
@@ -241,7 +243,7 @@ with_vllm.workload = "uniform chat, 16 x 64 tokens (saved run)"
 with_vllm.figure().show()
 
 # %% [markdown]
-# A small live run proves the plumbing on your machine: four chat prompts, eight new
+# A small live run proves the plumbing on your machine: four chat prompts, four new
 # tokens each, every system, vLLM included where `make peers` has built it. vLLM runs
 # its whole engine in one process here (`vllm_inproc=True`: one import of vLLM instead of
 # three, so it starts in seconds, not half a minute; the saved runs above use its default
@@ -253,7 +255,7 @@ missing = vllm_missing()
 peers = DEFAULT_PEERS if missing else (*DEFAULT_PEERS, "vllm")
 live = run_bench(
     model,
-    workloads.uniform_chat(4, max_new_tokens=8),
+    workloads.uniform_chat(4, max_new_tokens=4),
     peers=peers,
     workload="uniform chat x 4",
     vllm_inproc=True,
@@ -290,17 +292,17 @@ live.figure().show()
 dash = Dashboard(
     model,
     workload="doc-qa",
-    n=5,
+    n=4,
     budget_mib=budget / 2**20,
     initial=result,
     bench=RESULTS / "bench_doc_qa.json",
-    workload_options={"doc-qa": {"seed": 8}},
+    workload_options={"doc-qa": {"seed": 2387}, "uniform-chat": {"max_new_tokens": 8}},
 )
 dash.widget()
 
 # %% [markdown]
 # Setting the widgets from code and pressing Run from code do what the mouse does. Four
-# short chat prompts (16 new tokens each), 24 MiB, naive against paged+prefix+int8:
+# short chat prompts (8 new tokens each), 24 MiB, naive against paged+prefix+int8:
 
 # %%
 dash.workload.value, dash.n.value, dash.budget.value = "uniform-chat", 4, 24
