@@ -35,9 +35,10 @@
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. `FULL_SIZE = True` runs the larger workloads: 32 tokens per request in the
-# burst instead of 16, victims up to 512 tokens instead of 256, long answers of 48 tokens
-# instead of 24 (short ones 4 instead of 2), a 768-token prompt instead of 384, and 24
-# tokens per request in the explorer instead of 12 (about a minute more on a CPU).
+# burst instead of 16, victims up to 512 tokens instead of 256, 16 mixed requests instead
+# of 8 with long answers of 48 tokens instead of 24 (short ones 4 instead of 2), a
+# 768-token prompt instead of 384, and 24 tokens per request in the explorer instead of 12
+# (about a minute more on a CPU).
 
 # %%
 import platform
@@ -65,6 +66,7 @@ FULL_SIZE = False  # True: longer answers, victims and prompt (the sizes listed 
 BURST_TOKENS = 32 if FULL_SIZE else 16  # section 1: tokens per request of the burst
 VICTIMS = [32, 128, 256, 512] if FULL_SIZE else [32, 128, 256]  # section 3: victim lengths
 ANSWERS = [4, 4, 4, 48] if FULL_SIZE else [2, 2, 2, 24]  # section 4: short, short, short, long
+MIXED = 16 if FULL_SIZE else 8  # section 4: requests
 LONG_PROMPT, STREAM_TOKENS = (768, 40) if FULL_SIZE else (384, 24)  # section 5
 EXPLORER = dict(budget_tokens=128 if FULL_SIZE else 96, max_new_tokens=24 if FULL_SIZE else 12)
 
@@ -192,14 +194,14 @@ cost_figure(costs).show()
 #
 # ## 4 · Static vs continuous batching
 #
-# The scheduler runs at most `max_num_seqs=4` requests at a time. Sixteen chat requests
+# The scheduler runs at most `max_num_seqs=4` requests at a time. Eight chat requests
 # arrive together with mixed output lengths: three short answers (2 tokens) for every
 # long one (24 tokens). **Static** batching starts a new batch only when the whole
 # previous one has finished, so the short answers' seats stay empty while the long one
 # finishes. **Continuous** batching fills a seat as soon as it is free.
 
 # %%
-mixed = stress.alternating(workloads.uniform_chat(16), ANSWERS)
+mixed = stress.alternating(workloads.uniform_chat(MIXED), ANSWERS)
 batching = {
     b: stress.serve_batching(model, mixed, b, max_num_seqs=4) for b in ("static", "continuous")
 }
@@ -212,7 +214,7 @@ for b, (engine, _) in batching.items():
 
 # %% [markdown]
 # Same tokens, far fewer steps. In seconds, with time-to-first-token (TTFT), time per
-# output token (TPOT) and end-to-end latency percentiles over the 16 requests:
+# output token (TPOT) and end-to-end latency percentiles over the 8 requests:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
