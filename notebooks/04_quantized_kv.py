@@ -33,8 +33,8 @@
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. `FULL_SIZE = True` scores greedy agreement on all 64 chat prompts instead of
-# 4, with answers of up to 48 tokens instead of 16, and perplexity on 1,024 tokens of prose
-# instead of 256 (several more minutes on a CPU).
+# 2, with answers of up to 48 tokens instead of 8 (16 answered freely instead of 1), and
+# perplexity on 1,024 tokens of prose instead of 128 (several more minutes on a CPU).
 
 # %%
 import platform
@@ -62,9 +62,10 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 runner = ModelRunner(model.hf_model)
 FULL_SIZE = False  # True: 1,024 tokens of prose; all 64 chat prompts, 16 answered freely
-PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (4, 2)
-NEW_TOKENS = 48 if FULL_SIZE else 16  # each answer's greedy tokens, at most
-TEXT_TOKENS = 1024 if FULL_SIZE else 256
+PROMPTS, FREE_RUN = (64, 16) if FULL_SIZE else (2, 1)
+FIRST = 0 if FULL_SIZE else 16  # the first chat prompt scored
+NEW_TOKENS = 48 if FULL_SIZE else 8  # each answer's greedy tokens, at most
+TEXT_TOKENS, CHUNK = (1024, 128) if FULL_SIZE else (128, 64)  # prose scored, prefill chunk
 
 # %% [markdown]
 # ## 1 · Seven codecs, one interface
@@ -90,18 +91,18 @@ print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
 #
 # ## 2 · Real keys and values
 #
-# `quality.teacher_forced` feeds the first `TEXT_TOKENS` (256; 1,024 at full size) tokens
-# of kvlab's held-out prose through kvlab's own forward pass in chunks of 128, like a
-# chunked prefill: each chunk attends to the K/V that earlier chunks wrote **through the
-# codec**. The baseline and all seven codecs run in lockstep on the same text. It also
-# keeps the baseline's K and V (keys after RoPE, as the cache stores them) for the plots
-# below.
+# `quality.teacher_forced` feeds the first `TEXT_TOKENS` (128; 1,024 at full size) tokens
+# of kvlab's held-out prose through kvlab's own forward pass in chunks of `CHUNK` (64; 128
+# at full size), like a chunked prefill: each chunk attends to the K/V that earlier
+# chunks wrote **through the codec**. The baseline and all seven codecs run in lockstep
+# on the same text. It also keeps the baseline's K and V (keys after RoPE, as the cache
+# stores them) for the plots below.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 ids = quality.heldout_ids(model, TEXT_TOKENS + 1)
 start = time.perf_counter()
-forcing = quality.teacher_forced(runner, ids, chunk=128)
+forcing = quality.teacher_forced(runner, ids, chunk=CHUNK)
 print(f"{len(ids) - 1} tokens x 8 configurations in {time.perf_counter() - start:.0f} s")
 
 # %% [markdown]
@@ -150,11 +151,11 @@ CodecExplorer(forcing.k, forcing.v, codec="int4", layer=layer)
 # `quality.codec_report` adds to the teacher-forced scores:
 #
 # * **greedy agreement**: the paged engine answers `PROMPTS` of kvlab's 64 chat prompts,
-#   spread over the list (every 16th, so 4; all 64 at full size), greedily (to EOS, at
-#   most `NEW_TOKENS` each: 64 answer tokens at most for these 4) without a codec;
+#   spread over the list (every 32nd from the 16th, so 2; all 64 at full size), greedily
+#   (to EOS, at most `NEW_TOKENS` each: 16 answer tokens at most for these 2) without a codec;
 #   then, at every step of those answers, does the codec pick the same greedy token given
 #   the same history? Each step reads its K/V back through the codec, as a decode step
-#   does. `free_run_agreement` lets each codec answer the first `FREE_RUN` (2; 16 at full
+#   does. `free_run_agreement` lets each codec answer the first `FREE_RUN` (1; 16 at full
 #   size) on its own instead: it is strict, since after a first difference the rest of
 #   the answer usually differs too, so one near-tie between two tokens costs a whole answer;
 # * **K/V error**: the codec alone, on the baseline's real K/V;
@@ -174,7 +175,7 @@ start = time.perf_counter()
 report = quality.codec_report(
     model,
     forcing=forcing,
-    prompts=texts.chat_prompts()[:: 64 // PROMPTS][:PROMPTS],
+    prompts=texts.chat_prompts()[FIRST :: 64 // PROMPTS][:PROMPTS],
     new_tokens=NEW_TOKENS,
     free_run=FREE_RUN,
     budget_bytes=budget,

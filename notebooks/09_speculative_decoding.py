@@ -48,9 +48,9 @@
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. By default one doc-QA prompt (the first of the seeded set under 1,100
-# tokens) and one chat prompt, 16-token answers. `FULL_SIZE = True` runs more and longer
-# prompts (up to ~1,900 tokens), 64-token answers, HF's prompt lookup and batch 16
-# (several minutes on a CPU).
+# tokens) and one chat prompt, 12-token answers, n-gram drafts of k = 2, 4 and 8.
+# `FULL_SIZE = True` runs more and longer prompts (up to ~1,900 tokens), 64-token answers,
+# k = 1 too, HF's prompt lookup and batch 16 (several minutes on a CPU).
 
 # %%
 import os
@@ -74,8 +74,9 @@ model = kvlab.load_model(device=device, progress=False)
 pd.set_option("display.width", 200)
 
 FULL_SIZE = False  # True: 3 + 3 prompts, 64-token answers, HF's prompt lookup, batch 16
-DOC_QA, CHAT, NEW_TOKENS = (3, 3, 64) if FULL_SIZE else (1, 1, 16)
+DOC_QA, CHAT, NEW_TOKENS = (3, 3, 64) if FULL_SIZE else (1, 1, 12)
 SEED, MAX_PROMPT = (0, None) if FULL_SIZE else (4, 1100)  # which prompts, how long at most
+KS = (1, 2, 4, 8) if FULL_SIZE else (2, 4, 8)  # n-gram drafts per step compared
 
 # %% [markdown]
 # ## 1 · The prompts
@@ -138,15 +139,16 @@ rollback_animation(events[:16], block_size=4, rows=3)
 #
 # `compare_speculation` runs every configuration at batch 1 on the same prompts, each
 # prompt's K/V served from the prefix cache (the engine above is reused for doc-QA):
-# no speculation, n-gram at k = 1, 2, 4, 8, and the `layers` draft (the first 7 of 30
-# layers, k = 2); with `FULL_SIZE`, HF `generate` plain and with
-# `prompt_lookup_num_tokens=k` too. Then n-gram at k = 4 against none as the batch
+# no speculation, n-gram at each k in `KS` (2, 4, 8; 1 too at full size), and the
+# `layers` draft (the first 7 of 30 layers, k = 2); with `FULL_SIZE`, HF `generate`
+# plain and with `prompt_lookup_num_tokens=k` too. Then n-gram at k = 4 against none as the batch
 # grows. Tokens per forward and acceptance are deterministic on greedy runs:
 
 # %%
 result = speculative.compare_speculation(
     model,
     workloads,
+    ks=KS,
     hf=FULL_SIZE,
     sweep_batch_sizes=(1, 4, 16) if FULL_SIZE else (1, 4),
     engines={"doc-qa": engine},
@@ -159,11 +161,11 @@ print("mismatches:", result.mismatches())
 
 # %% [markdown]
 # On doc-QA the n-gram drafts are often right (the answer quotes the document) and a
-# forward yields well over one token; past some k, longer drafts only add rejected tokens
-# (acceptance falls, tokens per forward stop growing). On chat they are rarely right,
-# when a draft is found at all. The `layers` draft
-# (7 of 30 layers) is a poor guesser on a model this small. The timings (this machine
-# is shared and noisy; speed-ups are over the same system without speculation):
+# forward yields well over one token; past some k, longer drafts mostly add rejected
+# tokens (acceptance falls; tokens per forward grow little, if at all). On chat they are
+# rarely right, when a draft is found at all. The `layers` draft (7 of 30 layers) is a
+# poor guesser on a model this small. The timings (this machine is shared and noisy;
+# speed-ups are over the same system without speculation):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
