@@ -34,7 +34,7 @@
 #
 # 1. one prompt's blocks walked down the hierarchy: device → host → disk, and back;
 # 2. what a tier must never do: serve another tenant's block, or a damaged file;
-# 3. a multi-turn chat trace three times the device pool: recomputed tokens per
+# 3. a multi-turn chat trace more than twice the device pool: recomputed tokens per
 #    configuration, and the hierarchy drawn as sessions come and go;
 # 4. time to first token by where the history was; copy time per block;
 # 5. the connector interface, method by method beside vLLM's.
@@ -62,6 +62,7 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 FULL_SIZE = False  # True: the benchmark's 10 sessions x 3 turns (minutes on a 2-core CPU)
+NEW = 8 if FULL_SIZE else 4  # greedy tokens per answer in sections 1 and 2
 
 # %% [markdown]
 # ## 1 · One prompt down the hierarchy and back
@@ -78,7 +79,7 @@ config = kvlab.EngineConfig(cache="paged", prefix_caching="hash", block_size=16,
 engine = kvlab.Engine(model, config)
 connector, stack = engine.cache.connector, engine.cache.connector.stack
 prompt = f"Here is a document.\n\n{texts.documents()['doc01_library_rules']}\n\nQuestion: "
-first = engine.generate([prompt + texts.questions()[0]], SamplingParams(max_new_tokens=8))[0]
+first = engine.generate([prompt + texts.questions()[0]], SamplingParams(max_new_tokens=NEW))[0]
 print("prompt tokens:", len(first.prompt_token_ids), "| answer:", repr(first.text))
 print("device cached blocks:", engine.cache.allocator.num_cached, "| tiers:", stack.blocks())
 
@@ -88,7 +89,7 @@ print("device cached blocks:", engine.cache.allocator.num_cached, "| tiers:", st
 
 # %%
 print("moved off the device:", connector.offload_cached(), "| tiers:", stack.blocks())
-second = engine.generate([prompt + texts.questions()[1]], SamplingParams(max_new_tokens=8))[0]
+second = engine.generate([prompt + texts.questions()[1]], SamplingParams(max_new_tokens=NEW))[0]
 print("hit tokens:", second.metrics.prefix_hit_tokens, "| loaded back per tier:",
       connector.transfers.onloads)  # fmt: skip
 print(engine.explain(second.request_id))
@@ -100,7 +101,7 @@ print(engine.explain(second.request_id))
 # %%
 connector.offload_cached()
 print("spilled to disk:", stack.spill(0), "| tiers:", stack.blocks())
-third = engine.generate([prompt + texts.questions()[2]], SamplingParams(max_new_tokens=8))[0]
+third = engine.generate([prompt + texts.questions()[2]], SamplingParams(max_new_tokens=NEW))[0]
 print("hit tokens:", third.metrics.prefix_hit_tokens, "| loaded back per tier:",
       connector.transfers.onloads)  # fmt: skip
 disk = stack.tier("disk")
@@ -126,7 +127,7 @@ print(
 # %%
 connector.offload_cached()
 stack.spill(0)
-other = engine.run([kvlab.workloads.Request(prompt + texts.questions()[2], 8, salt="b")])[0]
+other = engine.run([kvlab.workloads.Request(prompt + texts.questions()[2], NEW, salt="b")])[0]
 print("salt 'b' hit tokens:", other.metrics.prefix_hit_tokens, "| refusals:",
       {t.name: t.stats.salt_refusals for t in stack.tiers})  # fmt: skip
 keys = engine.cache.index.keys(third.prompt_token_ids, None)
@@ -134,14 +135,14 @@ path = disk.path(keys[3])
 data = bytearray(path.read_bytes())
 data[len(data) // 2] ^= 0xFF  # one flipped byte in block 3's codes
 path.write_bytes(data)
-again = engine.generate([prompt + texts.questions()[2]], SamplingParams(max_new_tokens=8))[0]
+again = engine.generate([prompt + texts.questions()[2]], SamplingParams(max_new_tokens=NEW))[0]
 print("hit tokens:", again.metrics.prefix_hit_tokens, "(blocks 0-2 from disk, the rest recomputed)")
 print("corrupt files detected:", disk.stats.corrupt, "| same answer:", again.text == third.text)
 engine.cache.check_integrity()
 stack.close()
 
 # %% [markdown]
-# ## 3 · A multi-turn chat trace three times the device pool
+# ## 3 · A multi-turn chat trace more than twice the device pool
 #
 # `kvlab.multiturn.chat_sessions` builds conversations from kvlab's texts: a document and
 # a question, then another question each turn. `run_sessions` serves them in rounds, two
@@ -150,7 +151,7 @@ stack.close()
 # Each session ends (`engine.end_session`) after its last turn, freeing its blocks on
 # every tier.
 #
-# Here 4 sessions of 2 turns, 4 new tokens a turn, on a 22-block device pool (`FULL_SIZE`:
+# Here 3 sessions of 2 turns, 2 new tokens a turn, on a 20-block device pool (`FULL_SIZE`:
 # the benchmark's 10 sessions of 3 turns, 16 new tokens, a 64-block pool). The same trace
 # runs through five configurations (the policies are registered parts):
 
@@ -160,10 +161,11 @@ for registry in (WRITE_POLICIES, LOAD_POLICIES):
         print(f"{name:18} {policy.describe}")
 
 # %%
-n, turns, pool, new = (10, 3, 1024, 16) if FULL_SIZE else (4, 2, 352, 4)
+n, turns, pool, new = (10, 3, 1024, 16) if FULL_SIZE else (3, 2, 320, 2)
 sessions = chat_sessions(n, turns, max_doc_chars=2500 if FULL_SIZE else 1200)
 trace = tier_exp.compare_tiering(model, sessions, pool_tokens=pool, max_new_tokens=new,
-                                 end_after=True, observe="host+disk", every=3)  # fmt: skip
+                                 end_after=True, observe="host+disk",
+                                 every=3 if FULL_SIZE else 2)  # fmt: skip
 print(f"{trace['sessions']} sessions, {trace['turns']} turns; device pool {trace['pool_blocks']} "
       f"blocks; working set {trace['working_set_blocks']} blocks "
       f"({trace['working_set_over_pool']:.1f}x the pool)")  # fmt: skip
@@ -178,7 +180,8 @@ tier_exp.policy_table(trace)
 viz.recompute_figure(trace)
 
 # %% [markdown]
-# The hierarchy of the `host+disk` run, drawn every three steps: move the slider. Each
+# The hierarchy of the `host+disk` run, drawn every two steps (`FULL_SIZE`: three): move
+# the slider. Each
 # square is a block, coloured by the session whose conversation it holds. Blocks flow
 # from the device down to host and disk as other users' turns push them out, come back up
 # when their user returns, and vanish from every tier when the session ends.
@@ -189,14 +192,15 @@ viz.hierarchy_figure(trace["frames"])
 # %% [markdown]
 # ## 4 · Time to first token by tier, and copy time per block
 #
-# A follow-up turn on one session's opening (its blocks on the device, in the host tier,
-# on disk, or nowhere), each request alone, median of three. On this CPU machine "device"
+# A follow-up turn on the shortest session's opening (its blocks on the device, in the host
+# tier, on disk, or nowhere), each request alone, median of three. On this CPU machine "device"
 # and "host" are both RAM, so a host hit costs a memory copy; a disk hit adds a file read
 # and a checksum (the file may sit in the OS page cache).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-ttft = tier_exp.ttft_by_tier(model, sessions[0], texts.questions()[:3])
+shortest = min(sessions, key=lambda s: len(s.messages[0]))
+ttft = tier_exp.ttft_by_tier(model, shortest, texts.questions()[:3])
 print("hit tokens by tier:", ttft["hit_tokens"])
 viz.ttft_figure(ttft)
 

@@ -25,8 +25,8 @@
 # checked: tokens identical to one engine, KV bytes per rank, bytes moved.
 #
 # Set-up: one cell loads the model. `FULL_SIZE = True` runs the earlier, larger workloads
-# (8 tokens per tensor-parallel answer; long prompts of 2,400 characters among 32-token
-# chats).
+# (8 tokens per tensor-parallel answer; long prompts of 2,400 characters, 1 s apart, among
+# 32-token chats); the default keeps each section's effect at a fraction of the time.
 
 # %%
 import pandas as pd
@@ -43,8 +43,8 @@ torch.manual_seed(0)
 model = kvlab.load_model(device="cpu", progress=False)
 cfg = model.config
 FULL_SIZE = False  # True: 8-token tp answers; 2,400-character long prompts, 32-token chats
-TP_TOKENS = 8 if FULL_SIZE else 4  # greedy tokens per prompt at each tp
-LONG_CHARS, CHAT_TOKENS, GAP_S = (2400, 32, 1.0) if FULL_SIZE else (1200, 16, 0.5)
+TP_TOKENS = 8 if FULL_SIZE else 2  # greedy tokens per prompt at each tp (2: one decode step)
+LONG_CHARS, CHAT_TOKENS, GAP_S = (2400, 32, 1.0) if FULL_SIZE else (600, 8, 0.25)
 print(f"{cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads, "
       f"{cfg.num_hidden_layers} layers")  # fmt: skip
 
@@ -63,10 +63,10 @@ except ValueError as error:
 
 # %% [markdown]
 # Each size below starts its ranks as processes (rank 0 here runs the scheduler and the
-# cache; ranks 1 .. tp - 1 load the checkpoint and keep their slices), generates 4 tokens
-# for each of two chat prompts, and reports what one rank stores. Past tp = 3 the 3 KV
-# heads cannot be split further: at tp = 9 each KV head is replicated on three ranks, and
-# per-rank KV stays at one head's worth.
+# cache; ranks 1 .. tp - 1 load the checkpoint and keep their slices), generates 2 tokens
+# for each of two chat prompts (a prefill step and one decode step), and reports what one
+# rank stores. Past tp = 3 the 3 KV heads cannot be split further: at tp = 9 each KV head
+# is replicated on three ranks, and per-rank KV stays at one head's worth.
 
 # %%
 rows = tensor_parallel.run_tp(model, texts.chat_prompts()[:2], [1, 3, 9], TP_TOKENS)
@@ -90,8 +90,8 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 # %% [markdown]
 # ## 2 · Disaggregated prefill/decode under long-prompt interference
 #
-# Four chat requests decode 16 tokens each while two long prompts (the first 1,200
-# characters of two doc-QA prompts, ~250 tokens each) arrive among them, 0.5 s apart.
+# Four chat requests decode 8 tokens each while two long prompts (the first 600
+# characters of two doc-QA prompts, ~120 tokens each) arrive among them, 0.25 s apart.
 # **Colocated**, each long prefill is a step every running decode waits for (chunked
 # prefill splits it into smaller stalls). **Disaggregated**, a second process prefills; the
 # decode engine admits the finished KV as it would swap a preempted request back in. The
