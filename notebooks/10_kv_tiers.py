@@ -181,10 +181,10 @@ viz.recompute_figure(trace)
 
 # %% [markdown]
 # The hierarchy of the `host+disk` run, drawn every two steps (`FULL_SIZE`: three): move
-# the slider. Each
-# square is a block, coloured by the session whose conversation it holds. Blocks flow
-# from the device down to host and disk as other users' turns push them out, come back up
-# when their user returns, and vanish from every tier when the session ends.
+# the slider. Each square is a block, coloured by the session whose conversation it
+# holds. Blocks flow from the device down to host and disk as other users' turns push
+# them out, come back up when their user returns, and vanish from every tier when the
+# session ends.
 
 # %%
 viz.hierarchy_figure(trace["frames"])
