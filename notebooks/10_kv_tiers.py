@@ -62,7 +62,7 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 FULL_SIZE = False  # True: the benchmark's 10 sessions x 3 turns (minutes on a 2-core CPU)
-NEW = 8 if FULL_SIZE else 4  # greedy tokens per answer in sections 1 and 2
+ANSWER_TOKENS = 8 if FULL_SIZE else 4  # greedy tokens per answer in sections 1 and 2
 
 # %% [markdown]
 # ## 1 · One prompt down the hierarchy and back
@@ -79,7 +79,8 @@ config = kvlab.EngineConfig(cache="paged", prefix_caching="hash", block_size=16,
 engine = kvlab.Engine(model, config)
 connector, stack = engine.cache.connector, engine.cache.connector.stack
 prompt = f"Here is a document.\n\n{texts.documents()['doc01_library_rules']}\n\nQuestion: "
-first = engine.generate([prompt + texts.questions()[0]], SamplingParams(max_new_tokens=NEW))[0]
+answer = SamplingParams(max_new_tokens=ANSWER_TOKENS)
+first = engine.generate([prompt + texts.questions()[0]], answer)[0]
 print("prompt tokens:", len(first.prompt_token_ids), "| answer:", repr(first.text))
 print("device cached blocks:", engine.cache.allocator.num_cached, "| tiers:", stack.blocks())
 
@@ -89,7 +90,7 @@ print("device cached blocks:", engine.cache.allocator.num_cached, "| tiers:", st
 
 # %%
 print("moved off the device:", connector.offload_cached(), "| tiers:", stack.blocks())
-second = engine.generate([prompt + texts.questions()[1]], SamplingParams(max_new_tokens=NEW))[0]
+second = engine.generate([prompt + texts.questions()[1]], answer)[0]
 print("hit tokens:", second.metrics.prefix_hit_tokens, "| loaded back per tier:",
       connector.transfers.onloads)  # fmt: skip
 print(engine.explain(second.request_id))
@@ -101,7 +102,7 @@ print(engine.explain(second.request_id))
 # %%
 connector.offload_cached()
 print("spilled to disk:", stack.spill(0), "| tiers:", stack.blocks())
-third = engine.generate([prompt + texts.questions()[2]], SamplingParams(max_new_tokens=NEW))[0]
+third = engine.generate([prompt + texts.questions()[2]], answer)[0]
 print("hit tokens:", third.metrics.prefix_hit_tokens, "| loaded back per tier:",
       connector.transfers.onloads)  # fmt: skip
 disk = stack.tier("disk")
@@ -127,7 +128,8 @@ print(
 # %%
 connector.offload_cached()
 stack.spill(0)
-other = engine.run([kvlab.workloads.Request(prompt + texts.questions()[2], NEW, salt="b")])[0]
+salted = kvlab.workloads.Request(prompt + texts.questions()[2], ANSWER_TOKENS, salt="b")
+other = engine.run([salted])[0]
 print("salt 'b' hit tokens:", other.metrics.prefix_hit_tokens, "| refusals:",
       {t.name: t.stats.salt_refusals for t in stack.tiers})  # fmt: skip
 keys = engine.cache.index.keys(third.prompt_token_ids, None)
@@ -135,7 +137,7 @@ path = disk.path(keys[3])
 data = bytearray(path.read_bytes())
 data[len(data) // 2] ^= 0xFF  # one flipped byte in block 3's codes
 path.write_bytes(data)
-again = engine.generate([prompt + texts.questions()[2]], SamplingParams(max_new_tokens=NEW))[0]
+again = engine.generate([prompt + texts.questions()[2]], answer)[0]
 print("hit tokens:", again.metrics.prefix_hit_tokens, "(blocks 0-2 from disk, the rest recomputed)")
 print("corrupt files detected:", disk.stats.corrupt, "| same answer:", again.text == third.text)
 engine.cache.check_integrity()
