@@ -30,7 +30,8 @@ def main() -> None:
     print(capacity.to_string(), "\n")
     print("per request: prefix-hit tokens, tokens identical:")
     print(requests.to_string(index=False), "\n")
-    print("tight budget, 8 chat answers of 64 tokens:")
+    _, answers = report.kvlab["pressure", "together"]
+    print(f"tight budget, {len(answers)} chat answers of {len(answers[0].token_ids)} tokens:")
     print(pressure.to_string())
     if args.save:
         data = {

@@ -66,7 +66,7 @@ def test_greedy_tokens_identical(report, workload, arrival):
 
 
 def test_peak_running_and_preemptions_at_a_tight_budget(report):
-    """Eight chat answers of 64 tokens outgrow 14 usable blocks: with kvlab's default
+    """Eight chat answers of 40 tokens outgrow 14 usable blocks: with kvlab's default
     (watermark) admission both admit, run and preempt alike, request by request."""
     table = report.pressure()
     assert (table.kvlab == table.vllm).all()

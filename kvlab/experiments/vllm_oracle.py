@@ -11,9 +11,10 @@ so each of its steps schedules every request added before it, as kvlab's do; its
 budget, sequence cap and chunked prefill are kvlab's (`oracle_config`). Its worker runs
 in a thread on one core while kvlab computes its side on the other (one torch thread).
 
-Workloads: doc-QA (its three shortest documents under one ~300-token preamble), a chat
+Workloads: doc-QA (its two shortest documents under one ~300-token preamble), a chat
 whose six users share one system prompt (each run with all requests arriving together
-and one by one, at a roomy budget), and eight chat answers that outgrow a tight budget.
+and one by one, at a roomy budget), and eight chat answers of 40 tokens that outgrow a
+tight budget.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def oracle_workloads(model: LoadedModel) -> dict[str, list[Request]]:
         for text in texts.chat_prompts()[:6]
     ]
     return {
-        "doc-qa": [replace(r, max_new_tokens=8) for r in docs[:3]],
+        "doc-qa": [replace(r, max_new_tokens=8) for r in docs[:2]],
         "shared-prefix-chat": [replace(r, prompt=list(r.prompt)) for r in chat],
-        "pressure": encode_requests(model, uniform_chat(8, max_new_tokens=64)),
+        "pressure": encode_requests(model, uniform_chat(8, max_new_tokens=40)),
     }
 
 
