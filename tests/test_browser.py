@@ -28,7 +28,8 @@ It works on copies of the notebooks (outputs cleared) in a temporary mirror of t
 repository (notebooks/ holds the copies; every other top-level folder is a symlink, so
 relative paths such as ../benchmarks/results resolve), with its own JupyterLab settings,
 so the committed notebooks are never touched; the JupyterLab process group (server and
-kernels) is always killed at the end.
+kernels) is always killed at the end. A worker's notebooks take turns in one browser page
+(`Tab`): JupyterLab's front end loads once, not once per notebook.
 
 Needs Debian's `chromium` (apt-get install -y chromium) and the Python `playwright`
 package; it skips, saying so, where either is missing. Never run `playwright install`:
@@ -197,6 +198,65 @@ class JupyterLab:
         self.log.close()
 
 
+# Close every notebook in the page as it is (no "save your changes?" dialog).
+CLOSE_JS = """() => {
+  for (const widget of Array.from(window.jupyterapp.shell.widgets('main'))) {
+    if (widget.context) widget.context.model.dirty = false;
+    widget.dispose();
+  }
+}"""
+
+OPEN_JS = """(path) => window.jupyterapp.commands.execute(
+  'docmanager:open', {path, factory: 'Notebook'}).then(() => null)"""
+
+# The current notebook is `path` and its kernel is idle (started, nothing queued).
+READY_JS = """(path) => {
+  const widget = window.jupyterapp.shell.currentWidget;
+  const kernel = widget && widget.sessionContext && widget.sessionContext.session
+    && widget.sessionContext.session.kernel;
+  return !!kernel && widget.context.path === path && kernel.status === 'idle';
+}"""
+
+
+class Tab:
+    """The browser page a worker's notebooks take turns in.
+
+    Loading JupyterLab's front end costs chromium ~5 CPU-seconds on a 2-core machine, so
+    the page loads it once and opens each next notebook in it after closing the last one.
+    A notebook whose check failed takes the page with it: the next starts on a fresh one.
+    """
+
+    def __init__(self, server: JupyterLab, browser):
+        self.server, self.browser, self.page = server, browser, None
+
+    def open(self, name: str):
+        """The page, showing notebooks/`name` with its kernel started and idle."""
+        path = f"notebooks/{name}"
+        if self.page is None:
+            self.page = self.browser.new_page(viewport={"width": 1600, "height": 1800})
+            self.page.set_default_timeout(60_000)
+            # A workspace of its own: JupyterLab would otherwise reopen the notebooks
+            # of earlier pages as hidden tabs beside this one.
+            workspace = Path(name).stem
+            self.page.goto(
+                f"{self.server.base}/lab/workspaces/{workspace}/tree/{path}"
+                f"?token={self.server.token}"
+            )
+        else:
+            self.page.evaluate(OPEN_JS, path)
+        self.page.wait_for_selector(f"{PANEL} .jp-Cell", timeout=90_000)
+        self.page.wait_for_function(READY_JS, arg=path, timeout=120_000)
+        return self.page
+
+    def close(self, passed: bool) -> None:
+        """Close the notebook, and the page too unless the notebook's check passed."""
+        if self.page is not None and passed:
+            self.page.evaluate(CLOSE_JS)
+        elif self.page is not None:
+            self.page.close()
+            self.page = None
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     if sync_playwright is None:
@@ -231,7 +291,7 @@ def lab(tmp_path_factory):
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
-                yield server, browser
+                yield server, Tab(server, browser)
             finally:
                 browser.close()
     finally:
@@ -248,9 +308,6 @@ PROGRESS_JS = """() => {
     status: indicator ? indicator.getAttribute('data-status') : null,
   };
 }"""
-
-KERNEL_IDLE_JS = """() => Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
-  .some(item => /\\|\\s*Idle/.test(item.innerText))"""
 
 # An empty execute queued behind what the page sent the kernel (a widget's new value, a
 # button's click): it finishes once the kernel handled all of it. The status bar's Busy/Idle
@@ -470,22 +527,14 @@ def _check_animation(page, cell) -> str:
     return moved
 
 
-def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path, config) -> str:
+def check_in_browser(server: JupyterLab, tab: Tab, name: str, screenshot: Path, config) -> str:
     """Open `name`, Run All, check for errors, nbval's verdict on the outputs (`config`:
     pytest's) and drawn figures, move every app's first control and every animation's
     slider, see each figure redraw; take the screenshot."""
     started = time.monotonic()
-    page = browser.new_page(viewport={"width": 1600, "height": 1800})
+    passed = False
     try:
-        page.set_default_timeout(60_000)
-        # A workspace of its own per notebook: JupyterLab would otherwise reopen the
-        # notebooks of earlier cases as hidden tabs beside this one.
-        workspace = Path(name).stem
-        page.goto(
-            f"{server.base}/lab/workspaces/{workspace}/tree/notebooks/{name}?token={server.token}"
-        )
-        page.wait_for_selector(f"{PANEL} .jp-Cell", timeout=90_000)
-        page.wait_for_function(KERNEL_IDLE_JS, timeout=120_000)  # kernel started
+        page = tab.open(name)
         prompts = _run_all(page)
         ran_s = time.monotonic() - started
         shown = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
@@ -516,20 +565,22 @@ def check_in_browser(server: JupyterLab, browser, name: str, screenshot: Path, c
             animations = figures_shown.filter(has=page.locator(".slider-container"))
             (animations if animations.count() else figures_shown).first.screenshot(path=screenshot)
         total_s = time.monotonic() - started
+        passed = True
         return (
             f"{name}: Run All {ran_s:.0f} s, {figures} figures drawn, {len(apps)} apps, "
             f"moved: {'; '.join(moves) or 'nothing to move'}; {total_s:.0f} s in all"
         )
     except PlaywrightError as error:
-        page.screenshot(path=server.root / f"failure-{Path(name).stem}.png")
+        if tab.page is not None:
+            tab.page.screenshot(path=server.root / f"failure-{Path(name).stem}.png")
         raise AssertionError(f"{error}\nserver log:\n{server.server_log()}") from None
     finally:
-        page.close()
+        tab.close(passed)
         server.shut_down_kernels()
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs_and_its_widgets_redraw_in_a_real_browser(lab, name, pytestconfig):
-    server, browser = lab
+    server, tab = lab
     screenshot = SCREENSHOTS / SCREENSHOT_NAMES.get(name, f"{Path(name).stem}.png")
-    print(check_in_browser(server, browser, name, screenshot, pytestconfig))
+    print(check_in_browser(server, tab, name, screenshot, pytestconfig))
