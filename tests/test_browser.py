@@ -249,12 +249,18 @@ class Tab:
         return self.page
 
     def close(self, passed: bool) -> None:
-        """Close the notebook, and the page too unless the notebook's check passed."""
-        if self.page is not None and passed:
-            self.page.evaluate(CLOSE_JS)
-        elif self.page is not None:
-            self.page.close()
-            self.page = None
+        """Close the notebook, and the page too unless the notebook's check passed (or the
+        notebook would not close)."""
+        if self.page is None:
+            return
+        if passed:
+            try:
+                self.page.evaluate(CLOSE_JS)
+                return
+            except PlaywrightError:
+                pass
+        self.page.close()
+        self.page = None
 
 
 @pytest.fixture(scope="module")
