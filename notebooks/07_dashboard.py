@@ -76,7 +76,8 @@ RESULTS = Path("../benchmarks/results")  # saved `kvlab compare` / `kvlab bench`
 # same tokens and every count below is the same on every run.
 
 # %%
-requests = workloads.doc_qa(n=4, seed=2387, short_answer=(8, 16), long_answer=(24, 32))
+N, SEED = 4, 2387  # doc-QA requests, and a seed whose documents are among the shortest
+requests = workloads.doc_qa(n=N, seed=SEED, short_answer=(8, 16), long_answer=(24, 32))
 print("prompt tokens: ", [len(r.prompt) for r in encode_requests(model, requests)])
 print("max_new_tokens:", [r.max_new_tokens for r in requests])
 
@@ -99,9 +100,14 @@ print("max_new_tokens:", [r.max_new_tokens for r in requests])
 # bytes.
 
 # %%
-budget = 1024 * 46_080
+MAX_MODEL_LEN = 1024
+budget = MAX_MODEL_LEN * 46_080  # one naive sequence's slots, 46,080 bytes each in fp32
 result = compare(
-    model, requests, budget_bytes=budget, max_model_len=1024, workload="doc-qa, 4 requests"
+    model,
+    requests,
+    budget_bytes=budget,
+    max_model_len=MAX_MODEL_LEN,
+    workload=f"doc-qa, {N} requests",
 )
 table = result.table()
 exact = [
@@ -292,11 +298,11 @@ live.figure().show()
 dash = Dashboard(
     model,
     workload="doc-qa",
-    n=4,
+    n=N,
     budget_mib=budget / 2**20,
     initial=result,
     bench=RESULTS / "bench_doc_qa.json",
-    workload_options={"doc-qa": {"seed": 2387}, "uniform-chat": {"max_new_tokens": 8}},
+    workload_options={"doc-qa": {"seed": SEED}, "uniform-chat": {"max_new_tokens": 8}},
 )
 dash.widget()
 
