@@ -63,7 +63,7 @@ def main() -> None:
             time.sleep(0.1)
         server.loop.call(lambda e: e.cache.check_integrity()).result(60)
         report.leaked_blocks = server.loop.call(lambda e: e.cache.allocator.num_used).result(60)
-        report.crashes = server.loop.step_errors
+        report.crashes = int(server.loop.dead is not None)
         preemptions = server.loop.call(lambda e: e.scheduler.preemptions).result(60)
     print(
         json.dumps(

@@ -153,6 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="default: the model's name")
     srv.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    srv.add_argument("--api-key", default=None, help="require this Bearer key (vLLM's flag)")
+    srv.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help='a JSON object {"key": "tenant", ...}: each tenant its own prefix cache',
+    )
+    srv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="413 past it")
+    srv.add_argument(
+        "--tenant-max-running", type=int, default=None, help="a tenant's requests in the engine"
+    )
+    srv.add_argument(
+        "--tenant-max-queued", type=int, default=None, help="a tenant's waiting ones (429 past)"
+    )
     srv.set_defaults(run=run_serve)
 
     rep = commands.add_parser(
@@ -507,15 +521,23 @@ def run_serve(args: argparse.Namespace) -> int:
     import kvlab
     from kvlab.experiments.configs import model_bytes_per_token, parse_budget
     from kvlab.serve import Server, engine_config
+    from kvlab.serve.limits import ServeLimits
+    from kvlab.serve.tenants import Tenants
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     base = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     engine_config(args.config, **base)  # a bad config fails before the model loads
+    tenants = Tenants.from_flags(args.api_key, args.api_keys_file)  # these too
+    limits = ServeLimits(
+        max_request_bytes=args.max_request_bytes,
+        tenant_max_running=args.tenant_max_running,
+        tenant_max_queued=args.tenant_max_queued,
+    )
     model = kvlab.load_model(args.model, device=args.device, progress=False)
     if args.budget:
         base["kv_budget_bytes"] = parse_budget(args.budget, model_bytes_per_token(model))
     engine = kvlab.Engine(model, engine_config(args.config, **base))
-    server = Server(engine, args.served_model_name)
+    server = Server(engine, args.served_model_name, tenants, limits)
     server.log_startup()
     server.run(args.host, args.port, args.log_level)
     return 0

@@ -21,7 +21,8 @@ labels `model_name` and `engine="0"`, and counts what vLLM counts:
 
 plus vLLM's per-request histograms (prompt and generation tokens, queue time, time per
 output token, preemptions, n, max_tokens), tokens per step, `vllm:cache_config_info`, and
-three kvlab series vLLM does not have (cached and free blocks, swapped requests).
+three kvlab series vLLM does not have (cached and free blocks, swapped requests), and
+per-tenant series under a `tenant` label (kvlab.serve.tenant_metrics).
 
 Everything is updated from the engine loop thread; prometheus_client is thread-safe, so
 the HTTP thread renders the page at any time.
@@ -42,6 +43,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from kvlab.engine.capacity import kv_capacity
+from kvlab.serve.tenant_metrics import TenantMetrics
 
 # vLLM 0.32's buckets, read from its /metrics page.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -171,6 +173,7 @@ class ServeMetrics:
             registry=registry,
         )
         self.success = {r: success.labels(*labels, r) for r in FINISHED_REASONS}
+        self.tenants = TenantMetrics(registry, labels)
         self._cache_info(engine, registry)
         self._preemptions_seen = engine.scheduler.preemptions
         self._last_step = None
@@ -199,32 +202,37 @@ class ServeMetrics:
         gauge.labels("0", *map(str, info.values())).set(1)
 
     # --- events from the engine loop ---------------------------------------------
-    def request_added(self, params) -> None:
+    def request_added(self, params, tenant: str | None = None) -> None:
         self.params_n.observe(params.n)
         self.params_max_tokens.observe(params.max_new_tokens)
 
-    def request_admitted(self, seq, step_start: float) -> None:
+    def request_admitted(self, seq, step_start: float, tenant: str | None = None) -> None:
         """First admission: the prefix-cache lookup and the time spent queued."""
         self.queries.inc(len(seq.prompt_ids))
         self.hits.inc(seq.prefix_hit_tokens)
+        self.tenants.add(tenant, "prefix_cache_queries", len(seq.prompt_ids))
+        self.tenants.add(tenant, "prefix_cache_hits", seq.prefix_hit_tokens)
         self.cached_tokens.inc(seq.prefix_hit_tokens)
         self.queue_time.observe(max(0.0, step_start - seq.arrival_s))
 
-    def first_token(self, seq) -> None:
+    def first_token(self, seq, tenant: str | None = None) -> None:
         """The request's first token: its TTFT, and its prompt counts as processed."""
         self.ttft.observe(seq.first_token_s - seq.arrival_s)
         self.prompt_tokens.inc(len(seq.prompt_ids))
+        self.tenants.add(tenant, "prompt_tokens", len(seq.prompt_ids))
 
-    def tokens(self, count: int, gap_s: float | None) -> None:
+    def tokens(self, count: int, gap_s: float | None, tenant: str | None = None) -> None:
         """`count` new tokens of one sample, `gap_s` after its previous one (None: its
         first token; one token per step, so count is 1 after the first)."""
         self.generation_tokens.inc(count)
+        self.tenants.add(tenant, "generation_tokens", count)
         if gap_s is not None:
             for _ in range(count):
                 self.itl.observe(gap_s)
 
-    def request_finished(self, seq, finishes, completion, preemptions, now: float) -> None:
+    def request_finished(self, seq, finishes, completion, preemptions, now, tenant=None) -> None:
         self.success[finishes[0]].inc()
+        self.tenants.outcome(tenant, finishes[0])
         self.e2e.observe(now - seq.arrival_s)
         self.prompt_len.observe(len(seq.prompt_ids))
         self.output_len.observe(completion)
@@ -234,8 +242,10 @@ class ServeMetrics:
         if per_sample > 1:
             self.tpot.observe((now - first) / (per_sample - 1))
 
-    def request_aborted(self, reason: str) -> None:
-        self.success["abort" if reason not in self.success else reason].inc()
+    def request_aborted(self, reason: str, tenant: str | None = None) -> None:
+        reason = reason if reason in self.success else "abort"
+        self.success[reason].inc()
+        self.tenants.outcome(tenant, reason)
 
     def step_done(self, engine) -> None:
         records = engine.telemetry.records

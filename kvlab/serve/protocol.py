@@ -1,22 +1,26 @@
-"""Request parsing: an OpenAI completions / chat-completions body -> a `Job` for the engine.
+"""Request bodies: OpenAI's completions and chat-completions as pydantic models -> a `Job`.
 
-Field names are OpenAI's (`prompt` / `messages`, `max_tokens`, `temperature`, `top_p`,
-`seed`, `n`, `stream`, `stop`), plus vLLM's extensions that its benchmark client sends
-(`ignore_eos`, `top_k`, `repetition_penalty` at its neutral 1.0). A field kvlab cannot
-honour (a penalty, logprobs, a logit bias...) is refused with a 400 naming it, rather than
-silently ignored; a field nobody here knows is ignored, as vLLM does.
-
-Checks that need the engine (prompt length, the KV budget) happen in the engine loop:
-its ValueErrors become 400s there.
+The models are the one description of what a body may hold: the app publishes them in
+its OpenAPI schema (/openapi.json) and `parse` validates every body against them, so a
+value out of range gets a 400 naming the field, its value and the limit. Ranges are
+vLLM's (its `SamplingParams._verify_args` and its OpenAI protocol models): n >= 1,
+temperature >= 0, 0 < top_p <= 1, top_k -1, 0 or >= 1, max_tokens >= 1, seed a 64-bit
+integer, penalties in [-2, 2]. Types are strict (`true` is not 1, "5" is not 5) and
+numbers finite. A field kvlab cannot honour (penalties, logprobs, a logit bias...) is
+refused unless it holds its neutral value; a field nobody here knows is ignored, as vLLM
+does. Checks that need the engine (prompt length, the KV budget) happen in the engine
+loop: its ValueErrors become 400s there.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvlab.config import SamplingParams
+from kvlab.serve.tenants import engine_salt
 
 # OpenAI's default for /v1/completions when max_tokens is absent (chat: the rest of the
 # context, as vLLM does).
@@ -27,13 +31,15 @@ UNSUPPORTED: dict[str, tuple] = {
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
     "logit_bias": (None, {}),
     "min_tokens": (None, 0),
     "tools": (None, []),
 }
+Penalty = Annotated[float | None, Field(None, ge=-2, le=2)]
 
 
 class BadRequest(ValueError):
@@ -42,6 +48,98 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, *, status: int = 400):
         super().__init__(message)
         self.status, self.param = status, param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False  # a last chunk with the usage
+
+
+class Sampling(BaseModel):
+    """The fields both endpoints share (OpenAI's, and vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)  # only best_of == n
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="-1 or 0: off; else >= 1")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    ignore_eos: bool = False
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's: its own cache")
+    user: str | None = None  # OpenAI's end-user id (ignored)
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == -1:
+            return 0  # vLLM's "off"
+        return value
+
+
+class CompletionRequest(Sampling):
+    """A /v1/completions body: `prompt` is text, token ids, or a list of one of them."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value, handler):
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError("prompt must be a string or a list of token ids") from None
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            raise ValueError(
+                f"prompt holds {len(prompt)} prompts: kvlab serve takes one per request "
+                "(send several requests at once: the engine batches them)"
+            )
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one character or token id")
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"] = "text"
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(Sampling):
+    """A /v1/chat/completions body: `messages` of {role, content} (text or text parts)."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer max_tokens
+    logprobs: bool | None = None
+    tools: list | None = None
 
 
 @dataclass
@@ -56,124 +154,71 @@ class Job:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     stop: list[str] = field(default_factory=list)  # stop strings (not in the output)
     model: str = ""
+    tenant: str | None = None  # who sent it (an API key's tenant); None: no keys
+    salt: str | None = None  # the engine's cache namespace (tenant + cache_salt)
+    prompt_ids: list[int] = field(default_factory=list)  # filled by the encoder
 
 
-def parse_body(raw: bytes) -> dict:
-    """The JSON object of a request body (400 if it is not one)."""
+BODIES = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+def parse(body: dict, kind: str, model: str, tenant: str | None = None) -> Job:
+    """A validated Job of a completions ("completion") or chat ("chat") body from
+    `tenant`; BadRequest names the field, its value and the limit (404: unknown model)."""
     try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise BadRequest(f"malformed JSON body: {error}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-def parse_completion(body: dict, model: str) -> Job:
-    """A /v1/completions body: `prompt` is text, a list of token ids, or a list of one."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise BadRequest(
-            f"prompt holds {len(prompt)} prompts: kvlab serve takes one per request (send "
-            "several requests at once: the engine batches them)",
-            param="prompt",
-        )
-    if isinstance(prompt, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
-    elif not isinstance(prompt, str):
-        raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
-    if not prompt:
-        raise BadRequest("prompt is empty: give at least one character or token id", "prompt")
-    return _job("completion", prompt, body, model, DEFAULT_COMPLETION_TOKENS)
-
-
-def parse_chat(body: dict, model: str) -> Job:
-    """A /v1/chat/completions body: `messages` of {role, content} (text or text parts)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-    clean = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
-        clean.append({"role": message["role"], "content": _text(message.get("content"), i)})
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _job("chat", clean, {**body, "max_tokens": limit}, model, None)
-
-
-def _text(content, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = [p.get("text") for p in content if isinstance(p, dict)]
-        if all(isinstance(p, str) for p in parts) and len(parts) == len(content):
-            return "".join(parts)
-    raise BadRequest(f"messages[{index}].content must be text or a list of text parts")
-
-
-def _job(kind, prompt, body: dict, model: str, default_tokens: int | None) -> Job:
-    requested = body.get("model") or model
+        request = BODIES[kind].model_validate(body)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise BadRequest(_describe(first), param=param) from None
+    requested = request.model or model
     if requested != model:
         raise BadRequest(f"The model `{requested}` does not exist.", status=404, param="model")
     for name, neutral in UNSUPPORTED.items():
-        if body.get(name) not in neutral:
-            raise BadRequest(f"{name}={body[name]!r} is not supported by kvlab serve", param=name)
-    max_tokens = body.get("max_tokens", default_tokens)
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
-        raise BadRequest(f"max_tokens={max_tokens!r} must be an integer >= 1", param="max_tokens")
-    n = body.get("n", 1)
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
-        raise BadRequest(f"best_of={best_of!r} is not supported (only best_of == n)", "best_of")
-    try:
-        params = SamplingParams(
-            max_new_tokens=max_tokens or 1,  # the loop fills in the rest of the context
-            n=_number(body, "n", 1, int),
-            temperature=_number(body, "temperature", 1.0, float),
-            top_p=_number(body, "top_p", 1.0, float),
-            top_k=max(0, _number(body, "top_k", 0, int)),  # vLLM: -1 means off
-            seed=body.get("seed"),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-        )
-    except ValueError as error:
-        raise BadRequest(str(error).replace("SamplingParams.", "")) from None
-    if params.seed is not None and not _is_int(params.seed):
-        raise BadRequest(f"seed={params.seed!r} must be an integer", param="seed")
-    options = body.get("stream_options") or {}
+        value = getattr(request, name, None)
+        if value not in neutral:
+            raise BadRequest(f"{name}={value!r} is not supported by kvlab serve", param=name)
+    if request.best_of is not None and request.best_of != request.n:
+        message = f"best_of={request.best_of} is not supported (only best_of == n)"
+        raise BadRequest(message, param="best_of")
+    if kind == "chat":
+        prompt = [{"role": m.role, "content": m.text()} for m in request.messages]
+        max_tokens, default = request.max_completion_tokens or request.max_tokens, None
+    else:
+        prompt, max_tokens, default = request.prompt, request.max_tokens, DEFAULT_COMPLETION_TOKENS
+    max_tokens = max_tokens or default
+    params = SamplingParams(
+        max_new_tokens=max_tokens or 1,  # the loop fills in the rest of the context
+        n=request.n,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        ignore_eos=request.ignore_eos,
+    )
+    options = request.stream_options
+    stop = request.stop
     return Job(
         kind,
         prompt,
         params,
         max_tokens,
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        stop=_stop(body.get("stop")),
+        stream=request.stream,
+        include_usage=bool(options and options.include_usage),
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
         model=model,
+        tenant=tenant,
+        salt=engine_salt(tenant, request.cache_salt),
     )
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: dict, name: str, default, kind):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"{name}={value!r} must be a number", param=name)
-    if kind is int and value != int(value):
-        raise BadRequest(f"{name}={value!r} must be an integer", param=name)
-    return kind(value)
-
-
-def _stop(stop) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest("stop must be a non-empty string or a list of them", param="stop")
-    return stops
+def _describe(error: dict) -> str:
+    """One pydantic error as `field=value: what is wrong` (messages[0].content=...)."""
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+    path = path.lstrip(".") or "body"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        return f"{path} is required"
+    shown = repr(error["input"])
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"{path}={shown}: {message}"

@@ -34,6 +34,17 @@ class ResponseIds:
         }
 
 
+ERROR_TYPES = {  # the openai SDK's names of its exceptions by status
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -71,11 +82,10 @@ def whole(ids: ResponseIds, texts: list[str], finishes: list, usage: dict, kvlab
 
 def error(message: str, status: int, param: str | None = None) -> dict:
     """vLLM's error body (the openai SDK raises BadRequestError, NotFoundError... on it)."""
-    kinds = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
     return {
         "error": {
             "message": message,
-            "type": kinds.get(status, "BadRequestError"),
+            "type": ERROR_TYPES.get(status, "BadRequestError"),
             "param": param,
             "code": status,
         }

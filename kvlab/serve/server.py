@@ -1,6 +1,7 @@
 """Start a server: an engine, its loop thread, the app, uvicorn.
 
 kvlab serve --config paged+prefix --port 8000            # the embedded model
+kvlab serve --api-keys-file keys.json --tenant-max-running 4   # tenants (kvlab.serve.tenants)
 with ServerThread(engine) as server:                     # tests: a free port, a thread
     openai.OpenAI(base_url=server.url + "/v1", api_key="x")...
 """
@@ -18,8 +19,11 @@ from kvlab.config import EngineConfig
 from kvlab.engine.capacity import kv_capacity
 from kvlab.engine.engine import Engine
 from kvlab.serve.app import build_app
+from kvlab.serve.encoder import Encoder
+from kvlab.serve.limits import ServeLimits
 from kvlab.serve.loop import EngineLoop
 from kvlab.serve.metrics import ServeMetrics
+from kvlab.serve.tenants import Tenants
 
 log = logging.getLogger("kvlab.serve")
 DEFAULT_CONFIG = "paged+prefix"  # paged blocks and hash prefix caching, as vLLM serves
@@ -47,14 +51,24 @@ def engine_config(text: str | None, **base) -> EngineConfig:
 
 
 class Server:
-    """One engine served over HTTP: `app` for uvicorn, `loop` owning the engine."""
+    """One engine served over HTTP: `app` for uvicorn, `loop` owning the engine; API keys
+    and their tenants (`tenants`, none: open) and request limits (`limits`)."""
 
-    def __init__(self, engine: Engine, model_name: str | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str | None = None,
+        tenants: Tenants | None = None,
+        limits: ServeLimits | None = None,
+    ):
         self.engine = engine
         self.model_name = model_name or engine.model.name
         self.metrics = ServeMetrics(self.model_name, engine)
         self.loop = EngineLoop(engine, self.metrics)
-        self.app = build_app(self.loop, self.metrics, self.model_name)
+        self.encoder = Encoder(engine.tokenizer)
+        self.app = build_app(
+            self.loop, self.metrics, self.model_name, self.encoder, tenants, limits
+        )
 
     def log_startup(self) -> None:
         for line in kv_capacity(self.engine).lines():
@@ -67,6 +81,7 @@ class Server:
             uvicorn.run(self.app, host=host, port=port, log_level=log_level)
         finally:
             self.loop.stop()
+            self.encoder.close()
 
 
 def free_socket(host: str = "127.0.0.1") -> socket.socket:
@@ -84,8 +99,8 @@ class ServerThread:
     `with ServerThread(engine) as server: ... server.url ...`; leaving stops both threads.
     """
 
-    def __init__(self, engine: Engine, model_name: str | None = None, log_level="warning"):
-        self.server = Server(engine, model_name)
+    def __init__(self, engine: Engine, model_name=None, log_level="warning", **options):
+        self.server = Server(engine, model_name, **options)  # tenants=, limits=
         self.socket = free_socket()
         host, port = self.socket.getsockname()[:2]
         self.url = f"http://{host}:{port}"
@@ -113,6 +128,7 @@ class ServerThread:
         self.uvicorn.should_exit = True
         self._thread.join(10)
         self.server.loop.stop()
+        self.server.encoder.close()
         self.socket.close()
 
     def __enter__(self) -> ServerThread:

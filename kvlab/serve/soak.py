@@ -33,7 +33,7 @@ class SoakReport:
     unexpected: list[str] = field(default_factory=list)  # anything else, described
     server_up: bool | None = None  # /health answered 200 after the soak
     leaked_blocks: int | None = None  # blocks still referenced once idle (filled by caller)
-    crashes: int | None = None  # engine steps that raised (filled by caller)
+    crashes: int | None = None  # 1 if the engine loop died (filled by caller)
 
     def ok(self) -> bool:
         return (

@@ -1,0 +1,89 @@
+"""Per-tenant limits: how many of a tenant's requests the engine holds, and how many wait.
+
+A tenant may have `tenant_max_running` requests in the engine at once (queued or running
+there); its next ones wait here, in arrival order, up to `tenant_max_queued` of them, and
+past that get a 429 with `Retry-After` before anything is queued. Since no tenant holds
+more than its share of the engine's queue, a tenant that floods the server delays only
+itself: another tenant's request waits behind at most `tenant_max_running` requests of
+each tenant, not behind the whole flood (benchmarks/tenant_flood.py measures it).
+
+Everything here runs on the asyncio event loop (no locks); a request holds its `Slot`
+until its response ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from kvlab.serve.limits import ServeLimits
+from kvlab.serve.protocol import BadRequest
+
+
+class TooBusy(BadRequest):
+    """A 429: the tenant already has as many requests running and queued as it may."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, status=429)
+        self.retry_after_s = retry_after_s
+
+
+class Slot:
+    """One request's place in the engine; `release` (idempotent) hands it on."""
+
+    def __init__(self, gate: TenantGate, tenant: str | None):
+        self.gate, self.tenant, self._held = gate, tenant, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.gate._leave(self.tenant)
+
+
+class TenantGate:
+    def __init__(self, limits: ServeLimits):
+        self.limits = limits
+        self.running: Counter = Counter()  # tenant -> requests holding a slot
+        self.queued: Counter = Counter()  # tenant -> requests waiting for one
+        self._slots: dict[str | None, asyncio.Semaphore] = {}
+
+    async def enter(self, tenant: str | None, gone: asyncio.Future) -> Slot | None:
+        """A slot for one of `tenant`'s requests, once one is free; TooBusy (429) if its
+        queue is full; None if the client left (`gone` finished) while it waited."""
+        limit = self.limits.tenant_max_running
+        if limit is None:
+            self.running[tenant] += 1
+            return Slot(self, tenant)
+        semaphore = self._slots.setdefault(tenant, asyncio.Semaphore(limit))
+        most = self.limits.tenant_max_queued
+        if semaphore.locked() and most is not None and self.queued[tenant] >= most:
+            raise TooBusy(
+                f"tenant {tenant!r} has {self.running[tenant]} requests running and "
+                f"{self.queued[tenant]} queued, the most it may (--tenant-max-running="
+                f"{limit}, --tenant-max-queued={most}): retry later",
+                self.limits.retry_after_s,
+            )
+        self.queued[tenant] += 1
+        acquire = asyncio.ensure_future(semaphore.acquire())
+        try:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the handler itself is cancelled (the server stops)
+            acquire.cancel()
+            if acquire.done() and not acquire.cancelled():
+                semaphore.release()
+            raise
+        finally:
+            self.queued[tenant] -= 1
+        if not acquire.done():  # the client left first
+            acquire.cancel()  # the semaphore hands on a wake-up it got meanwhile
+            return None
+        if gone.done():  # both at once: hand the slot straight on
+            semaphore.release()
+            return None
+        self.running[tenant] += 1
+        return Slot(self, tenant)
+
+    def _leave(self, tenant: str | None) -> None:
+        self.running[tenant] -= 1
+        if tenant in self._slots:
+            self._slots[tenant].release()

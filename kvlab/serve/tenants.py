@@ -1,0 +1,78 @@
+"""Who sent a request (its API key's tenant), and the cache namespace it may use.
+
+    kvlab serve --api-key sk-one                   # vLLM's flag: one key, tenant "default"
+    kvlab serve --api-keys-file keys.json          # {"sk-alice-...": "alice", ...}
+
+With keys, every /v1 request needs `Authorization: Bearer <key>` (401 otherwise, as
+vLLM answers). Each tenant's prompts are hashed with its own salt (`engine_salt`), so
+the prefix cache never hands one tenant's KV block to another, whatever they send;
+vLLM's `cache_salt` request field splits a tenant further (one user from another). The
+tenant part of the salt comes from the key, never from the body, and the pair is
+encoded so that no choice of cache_salt can spell another tenant's salt.
+
+Without keys the server is open and tenant-less: every request shares one prefix cache
+(unless it sends a cache_salt), as a plain `vllm serve` does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TENANT = "default"  # the tenant of --api-key
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """API keys -> tenant names; empty: no authentication."""
+
+    keys: tuple[tuple[str, str], ...] = ()  # (key, tenant)
+
+    def __post_init__(self) -> None:
+        for key, tenant in self.keys:
+            if not (isinstance(key, str) and key.strip() and isinstance(tenant, str) and tenant):
+                raise ValueError(f"an API key and its tenant must be non-empty strings: {tenant!r}")
+
+    @classmethod
+    def from_flags(cls, api_key: str | None = None, keys_file: str | None = None) -> Tenants:
+        """Tenants of `--api-key` (tenant "default") and `--api-keys-file` (a JSON object
+        {key: tenant})."""
+        keys = [(api_key, DEFAULT_TENANT)] if api_key else []
+        if keys_file:
+            try:
+                table = json.loads(Path(keys_file).read_text())
+            except (OSError, ValueError) as error:
+                raise ValueError(f"--api-keys-file {keys_file}: {error}") from None
+            if not isinstance(table, dict):
+                raise ValueError(f"--api-keys-file {keys_file}: must be a JSON object")
+            keys += list(table.items())
+        return cls(tuple(keys))
+
+    @property
+    def required(self) -> bool:
+        return bool(self.keys)
+
+    def names(self) -> list[str]:
+        return sorted({tenant for _, tenant in self.keys})
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The tenant of an `Authorization: Bearer <key>` header; None if it names no key.
+        Every key is compared, each in constant time."""
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return None
+        found = None
+        for known, tenant in self.keys:
+            if hmac.compare_digest(known.encode(), key.strip().encode()):
+                found = tenant
+        return found
+
+
+def engine_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The engine's cache namespace of a request: None (the shared cache) without tenant
+    and cache_salt; otherwise a string no other (tenant, cache_salt) pair yields."""
+    if tenant is None and cache_salt is None:
+        return None
+    return json.dumps([tenant, cache_salt])
