@@ -90,7 +90,7 @@ def _check_tree(body: dict, max_depth: int) -> None:
         value, path, depth = stack.pop()
         if isinstance(value, dict | list):
             if depth > max_depth:
-                raise BadRequest(_too_deep(max_depth), param=path.split(".")[0] or None)
+                raise BadRequest(_too_deep(max_depth), param=_param(path))
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip(".")
@@ -104,10 +104,19 @@ def _encodable(text: str, path: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        bad = text[error.start : error.end].encode("unicode_escape").decode()
-        param = path.split(".")[0].split("[")[0] or None
+        bad = _shown(text[error.start : error.end])
         raise BadRequest(
-            f"{path} holds {bad!r} at character {error.start}: a lone UTF-16 surrogate, "
-            "not text (no UTF-8 encoding)",
-            param=param,
+            f"{_shown(path)} holds {bad!r} at character {error.start}: a lone UTF-16 "
+            "surrogate, not text (no UTF-8 encoding)",
+            param=_param(path),
         ) from None
+
+
+def _shown(text: str) -> str:
+    """Text with its lone surrogates escaped (\\ud800), fit for a UTF-8 response."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _param(path: str) -> str | None:
+    """The top-level field of a path ("messages" of "messages[0].content")."""
+    return _shown(path.split(".")[0].split("[")[0]) or None
