@@ -190,6 +190,7 @@ class Scheduler:
             rows = self._prefills(now, budget, admitting, admitted)
             rows += self._decodes(decoding, budget - sum(n for _, n in rows))
         rows = self._secure_blocks(rows)
+        rows += self._refill(rows, decoding, budget)
         if not rows:
             return None
         for seq, n in rows:  # full blocks filled by this step (decodes, later chunks)
@@ -199,6 +200,21 @@ class Scheduler:
         if batch.phase != "prefill":
             self.batch_open = False
         return batch
+
+    def _refill(self, rows: list[Row], decoding: list[Sequence], budget: int) -> list[Row]:
+        """Decodes for the tokens that rows preempted while securing blocks gave back.
+
+        A prompt chunk may take the whole budget and then preempt itself for blocks: the
+        decodes it crowded out run instead (a step never idles while a decode can run).
+        Without chunked prefill a step mixes nothing: decodes run only if no prompt did."""
+        if rows and not self.config.chunked_prefill:
+            return []
+        scheduled = {id(seq) for seq, _ in rows}
+        left = [s for s in decoding if id(s) not in scheduled and s in self.running]
+        spare = budget - sum(n for _, n in rows)
+        if not left or spare <= 0:
+            return []
+        return self._secure_blocks(self._decodes(left, spare))
 
     def _by_priority(self, seqs: list[Sequence]) -> list[Sequence]:
         return sorted(seqs, key=victim_key)
@@ -251,6 +267,7 @@ class Scheduler:
             if self._seats_taken() + seats(seq) > self.config.max_num_seqs or budget <= 0:
                 break
             alone, first = not self.running, None if whole else budget
+            self.cache.stage(seq)
             if not self.cache.can_admit(seq, alone, first):
                 break
             if whole and (rows or must_fit) and seq.num_pending > budget:
