@@ -369,16 +369,11 @@ class Engine:
         for i in range(1, parent.params.n):
             seed = None if parent.params.seed is None else parent.params.seed + i
             child = self._new_sequence(parent.prompt_ids, parent.params, seed)
-            child.arrival_s, child.salt, child.priority = (
-                parent.arrival_s,
-                parent.salt,
-                parent.priority,
-            )
-            child.parent_id = parent.request_id
-            child.num_computed = parent.num_computed
+            child.inherit(parent)
             child.output_ids.append(sample(logits[None], [child])[0])
             self.cache.fork(parent, child)
             self.scheduler.adopt(child)
+            self.sessions.on_add(child, self.clock())
             children.append(child)
         self._groups[parent.request_id] = [parent, *children]
         return children

@@ -64,6 +64,13 @@ class Sequence:
     spec_room: int = 0
     session: str | None = None  # the conversation it belongs to (kvlab.sessions)
 
+    def inherit(self, parent: Sequence) -> None:
+        """Become a sample forked from `parent` (n > 1) once its prompt is in: take the
+        request's own fields (`REQUEST_FIELDS`) and the prompt's progress."""
+        for name in REQUEST_FIELDS:
+            setattr(self, name, getattr(parent, name))
+        self.parent_id = parent.request_id
+
     @property
     def token_ids(self) -> list[int]:
         """Prompt followed by the tokens generated so far."""
@@ -81,3 +88,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status in (RequestState.FINISHED, RequestState.CANCELLED)
+
+
+# What every sample of an n > 1 request shares with the request (a fork copies them);
+# every other field of a Sequence is the sample's own. tests/test_reliability.py checks
+# that each field is in exactly one of the two lists.
+REQUEST_FIELDS = ("prompt_ids", "params", "arrival_s", "salt", "priority", "session",
+                  "num_computed", "prefix_hit_tokens")  # fmt: skip
+SAMPLE_FIELDS = ("request_id", "output_ids", "status", "first_token_s", "finish_s",
+                 "finish_reason", "generator", "parent_id", "admit_order", "preemptions",
+                 "preempted_at", "stall_s", "notes", "draft_ids", "token_times",
+                 "spec_room")  # fmt: skip
