@@ -62,7 +62,9 @@ class Sessions:
             return
         record.live.discard(seq.request_id)
         record.last_active_s = now
-        tokens = tuple(seq.token_ids[: seq.num_computed])
+        # Every token it ever held, not only those computed now: a request preempted by
+        # recompute (num_computed 0) has published blocks all the same.
+        tokens = tuple(seq.token_ids)
         if tokens:  # keep only prefixes no longer one is an extension of
             kept = [
                 p for p in record.prefixes if not (p[1] == seq.salt and tokens[: len(p[0])] == p[0])
