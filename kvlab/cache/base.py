@@ -92,6 +92,10 @@ class KVCache(ABC):
         `chunk`: the most tokens `seq` computes in its first step (None: all it has); a
         cache that takes blocks as tokens arrive needs room for those only."""
 
+    def stage(self, seq: Sequence) -> None:  # noqa: B027  (only tiered caches stage)
+        """Bring what `seq` may reuse onto the device before `can_admit` is asked (a tiered
+        cache loads its held prefix blocks back). Never takes memory running sequences hold."""
+
     @abstractmethod
     def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
         """Reserve what this variant reserves at admission."""

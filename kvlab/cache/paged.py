@@ -193,9 +193,14 @@ class PagedCache(KVCache):
         """Blocks watermark admission keeps free for running sequences (none if none run)."""
         return 0 if alone or self.reserves else self.watermark_blocks
 
-    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
-        if self.connector is not None:  # tiers: load held blocks back first (a longer hit)
+    def stage(self, seq: Sequence) -> None:
+        """Tiers: load the blocks of `seq`'s prompt that a tier holds back onto the device,
+        as cached blocks its prefix lookup then hits, before admission is decided: what
+        `can_admit` counts is what `admit` takes."""
+        if self.connector is not None and not seq.num_computed:
             self.connector.promote(seq)
+
+    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
         match = self._plan(seq, alone, chunk)
         if match is None:
             raise ValueError(f"request {seq.request_id} does not fit: call can_admit() first")
