@@ -1,0 +1,93 @@
+"""A tenant audit of the engine's block tables: did any KV block pass between tenants?
+
+Counters say how many prompt tokens hit the prefix cache, not whose blocks they hit. The
+audit reads the block tables themselves, after every engine step (it wraps `step` on the
+engine loop's thread, so it sees every table a request ever had):
+
+- a block in the tables of two tenants' requests at once is a cross-tenant share;
+- a request admitted with prefix hits (its first ceil(hits / block_size) table entries
+  came from the prefix index) whose hit block another tenant's request wrote is a
+  cross-tenant hit.
+
+The writer of a hit block is another request holding it in the same step (the index
+hands out a block while its writer computes it), or else the last request the audit saw
+holding it: a writer holds its block for at least the step that computes it. The tenant
+of a request is the first element of its salt (kvlab.serve.tenants.engine_salt).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kvlab.engine.engine import Engine
+
+
+def tenant_of(salt: str | None) -> str | None:
+    """The tenant part of an engine salt made by `engine_salt` (None: no tenant)."""
+    return None if salt is None else json.loads(salt)[0]
+
+
+@dataclass
+class TenantAudit:
+    steps: int = 0
+    admissions: int = 0  # (re)admissions seen
+    hit_admissions: int = 0  # of those, with prefix hits
+    hit_blocks: int = 0  # hit blocks whose last holder was checked
+    cross_tenant_hits: int = 0  # hit blocks last held by another tenant
+    cross_tenant_shares: int = 0  # blocks in two tenants' tables at once
+    findings: list[str] = field(default_factory=list)  # each cross-tenant hit or share
+    _last: dict[int, str | None] = field(default_factory=dict)  # block -> last tenant
+    _present: set[int] = field(default_factory=set)  # request ids in the tables last step
+
+    def install(self, engine: Engine) -> TenantAudit:
+        """Audit `engine` after each of its steps (call before its loop starts)."""
+        step = engine.step
+
+        def audited_step():
+            finished = step()
+            self.check(engine)
+            return finished
+
+        engine.step = audited_step
+        return self
+
+    def check(self, engine: Engine) -> None:
+        cache, size = engine.cache, engine.cache.block_size
+        holders: dict[int, dict[int, str | None]] = {}  # block -> {request id: tenant}
+        for request_id, table in cache.tables.items():
+            tenant = tenant_of(cache.sequences[request_id].salt)
+            for block in table:
+                if block >= 0:
+                    holders.setdefault(block, {})[request_id] = tenant
+        for request_id in set(cache.tables) - self._present:  # admitted in this step
+            self._admitted(request_id, cache, size, holders)
+        for block, tenants in holders.items():
+            if len(set(tenants.values())) > 1:
+                self.cross_tenant_shares += 1
+                self.findings.append(f"step {self.steps}: block {block} held by {tenants}")
+            self._last[block] = next(iter(tenants.values()))
+        self._present = set(cache.tables)
+        self.steps += 1
+
+    def _admitted(self, request_id: int, cache, size: int, holders: dict) -> None:
+        """Check the hit blocks of a request (re)admitted in this step: their writer is
+        another request holding them now (the index hands out a block while its writer
+        computes it in the same step), or else their last holder."""
+        seq = cache.sequences[request_id]
+        tenant, hit = tenant_of(seq.salt), -(-seq.prefix_hit_tokens // size)
+        self.admissions += 1
+        self.hit_admissions += hit > 0
+        for block in (b for b in cache.tables[request_id][:hit] if b >= 0):
+            others = [t for r, t in holders[block].items() if r != request_id]
+            writers = others or ([self._last[block]] if block in self._last else [])
+            self.hit_blocks += bool(writers)
+            if any(writer != tenant for writer in writers):
+                self.cross_tenant_hits += 1
+                self.findings.append(
+                    f"step {self.steps}: request {request_id} of {tenant!r} hit block "
+                    f"{block}, written by {sorted(map(str, writers))}"
+                )
+
+    def summary(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}

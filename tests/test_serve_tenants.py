@@ -1,0 +1,155 @@
+"""Tenants of `kvlab serve`: API keys (401), a salted prefix cache per tenant (and per
+cache_salt within one), per-tenant places and queues (429 with Retry-After), per-tenant
+series on /metrics, and the audit that reads the block tables for cross-tenant hits.
+The tiny model serves; clients are the openai SDK and httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import kvlab  # noqa: E402
+from kvlab.cache.prefix.hash import HashPrefixIndex  # noqa: E402
+from kvlab.serve import ServerThread, engine_config  # noqa: E402
+from kvlab.serve.audit import TenantAudit  # noqa: E402
+from kvlab.serve.limits import ServeLimits  # noqa: E402
+from kvlab.serve.tenants import Tenants, engine_salt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = Tenants((("sk-alice", "alice"), ("sk-bob", "bob")))
+PROMPT = list(range(300, 348))  # 3 full blocks of 16
+
+
+def sdk(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def on_engine(server, fn):
+    return server.loop.call(fn).result(timeout=30)
+
+
+def scrape(server, prefix: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for s in family.samples:
+            if s.name.startswith(prefix):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k == "tenant")
+                values[f"{s.name}{{{labels},{s.labels.get('outcome', '')}}}"] = s.value
+    return values
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model):
+    engine = kvlab.Engine(tiny_model, engine_config("paged+prefix", max_model_len=256))
+    audit = TenantAudit().install(engine)
+    with ServerThread(engine, tenants=KEYS) as server:
+        server.audit = audit
+        yield server
+
+
+def test_api_keys_are_required_on_v1_only(keyed, tiny_model):
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        sdk(keyed, "sk-mallory").completions.create(model=tiny_model.name, prompt="hi")
+    reply = httpx.post(f"{keyed.url}/v1/completions", json={"prompt": "hi"})
+    assert reply.status_code == 401 and reply.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{keyed.url}/v1/models").status_code == 401
+    assert [m.id for m in sdk(keyed, "sk-bob").models.list()] == [tiny_model.name]
+    assert httpx.get(f"{keyed.url}/health").status_code == 200  # as vLLM: open
+    assert httpx.get(f"{keyed.url}/metrics").status_code == 200
+    schema = httpx.get(f"{keyed.url}/openapi.json").json()
+    assert schema["security"] == [{"bearer": []}]
+
+
+def test_tenants_never_share_blocks_and_cache_salt_splits_a_tenant(keyed, tiny_model):
+    def cached(key: str, **extra) -> int:
+        reply = sdk(keyed, key).completions.create(
+            model=tiny_model.name, prompt=PROMPT, max_tokens=2, extra_body=extra
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    before = scrape(keyed, "kvlab:tenant_prefix_cache_hits")
+    assert [cached("sk-alice"), cached("sk-alice")] == [0, 32]  # the last block is partial
+    assert [cached("sk-bob"), cached("sk-bob")] == [0, 32]  # bob never reads alice's
+    assert [cached("sk-alice", cache_salt="u1"), cached("sk-alice", cache_salt="u1")] == [0, 32]
+    assert cached("sk-alice", cache_salt="u2") == 0
+    after = scrape(keyed, "kvlab:tenant_prefix_cache_hits")
+    for tenant, hits in (("alice", 64), ("bob", 32)):
+        key = f"kvlab:tenant_prefix_cache_hits_total{{tenant={tenant},}}"
+        assert after[key] - before.get(key, 0) == hits
+    audit = keyed.audit.summary()
+    assert audit["hit_blocks"] >= 6 and audit["cross_tenant_hits"] == 0
+    assert audit["cross_tenant_shares"] == 0
+    assert engine_salt("a", None) != engine_salt(None, "a")  # no cache_salt spells a tenant
+
+
+def test_the_audit_finds_a_cross_tenant_hit_when_salts_are_ignored(tiny_model, monkeypatch):
+    """A mutation the audit must catch: a prefix index that drops the salt."""
+
+    def found(mutated: bool) -> dict:
+        if mutated:
+            keys = HashPrefixIndex.keys
+            monkeypatch.setattr(HashPrefixIndex, "keys", lambda self, t, salt: keys(self, t, None))
+        engine = kvlab.Engine(tiny_model, engine_config("paged+prefix", max_model_len=256))
+        audit = TenantAudit().install(engine)
+        params = kvlab.SamplingParams(max_new_tokens=2)
+        for tenant in ("alice", "bob"):
+            engine.add_request(PROMPT, params, salt=engine_salt(tenant, None))
+            while engine.has_unfinished():
+                engine.step()
+        return audit.summary()
+
+    assert found(mutated=False)["cross_tenant_hits"] == 0
+    assert found(mutated=True)["cross_tenant_hits"] == 2  # bob hit alice's two full blocks
+
+
+def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model):
+    limits = ServeLimits(tenant_max_running=1, tenant_max_queued=1, retry_after_s=3)
+    engine = kvlab.Engine(tiny_model, engine_config("paged+prefix", max_model_len=256))
+    long = {"prompt": [7, 8, 9], "max_tokens": 250, "ignore_eos": True, "stream": True}
+    with ServerThread(engine, tenants=KEYS, limits=limits) as server:
+        url = f"{server.url}/v1/completions"
+
+        async def flood_and_one():
+            alice = httpx.AsyncClient(timeout=60, headers={"Authorization": "Bearer sk-alice"})
+            bob = httpx.AsyncClient(timeout=60, headers={"Authorization": "Bearer sk-bob"})
+            async with alice, bob:
+                first = asyncio.ensure_future(alice.post(url, json=long))
+                second = asyncio.ensure_future(alice.post(url, json=long))
+                while on_engine(server, lambda e: not e.has_unfinished()):
+                    await asyncio.sleep(0.01)  # alice's first request runs
+                await asyncio.sleep(0.05)  # and her second waits in her queue
+                third = await alice.post(url, json=long)
+                answer = await bob.post(url, json={**long, "max_tokens": 2, "stream": False})
+                firsts = [r.status_code for r in await asyncio.gather(first, second)]
+                return third, answer, firsts
+
+        third, answer, firsts = asyncio.run(flood_and_one())
+        queued = scrape(server, "kvlab:tenant_requests")
+    assert third.status_code == 429 and third.headers["Retry-After"] == "3"
+    assert "--tenant-max-queued=1" in third.json()["error"]["message"]
+    assert answer.status_code == 200 and firsts == [200, 200]
+    assert queued["kvlab:tenant_requests_total{tenant=alice,busy}"] == 1
+    assert queued["kvlab:tenant_requests_total{tenant=bob,length}"] == 1
+
+
+def test_serve_command_refuses_a_bad_keys_file_before_loading_a_model(tmp_path):
+    table = tmp_path / "keys.json"
+    table.write_text('["not", "an", "object"]')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvlab", "serve", "--api-keys-file", str(table)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "must be a JSON object" in bad.stderr
