@@ -11,6 +11,8 @@ forkserver (macOS, Windows), spawn.
 from __future__ import annotations
 
 import multiprocessing.context
+import multiprocessing.process
+import signal
 
 import torch.multiprocessing as mp
 
@@ -32,3 +34,13 @@ def worker_context(preload: list[str]) -> multiprocessing.context.BaseContext:
     if START_METHOD == "forkserver":
         context.set_forkserver_preload([*preload, *MODEL_MODULES])
     return context
+
+
+def exit_status(process: multiprocessing.process.BaseProcess) -> str:
+    """How a worker process ended, for an error message: "killed by SIGKILL", "exit code 1"."""
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"

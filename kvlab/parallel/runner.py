@@ -18,11 +18,12 @@ class ShardedRunner(ModelRunner):
 
     Embedding, norms and LM head are replicated (they are small); every rank computes the
     logits, rank 0's are used. On rank 0, `forward` first sends the step to the workers
-    (`broadcast`), so every rank runs the same forward and meets at the all-reduces.
+    (`leader`, kvlab.parallel.worker.TensorParallel), so every rank runs the same forward
+    and meets at the all-reduces; a rank that dies meanwhile raises EngineDead.
     """
 
-    def __init__(self, hf_model: torch.nn.Module, rank: int, tp: int, broadcast=None):
-        self.rank, self.tp, self.broadcast = rank, tp, broadcast
+    def __init__(self, hf_model: torch.nn.Module, rank: int, tp: int, leader=None):
+        self.rank, self.tp, self.leader = rank, tp, leader
         super().__init__(hf_model)  # slices the layers (`_weights`) with the model's heads
         self.num_heads = self.num_heads // tp
         self.num_kv_heads = kv_heads_per_rank(tp, self.num_kv_heads)
@@ -52,7 +53,9 @@ class ShardedRunner(ModelRunner):
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.broadcast is not None:  # rank 0: the workers run the same step
-            self.broadcast(("forward", input_ids, meta, all_logits, logits_at))
-        return super().forward(input_ids, meta, getattr(pool, "local", pool), all_logits,
-                               logits_at)  # fmt: skip
+        pool = getattr(pool, "local", pool)
+        if self.leader is None:  # ranks 1 .. tp - 1: rank 0's message brought them here
+            return super().forward(input_ids, meta, pool, all_logits, logits_at)
+        with self.leader.watch():  # rank 0: the workers run the same step
+            self.leader.send(("forward", input_ids, meta, all_logits, logits_at))
+            return super().forward(input_ids, meta, pool, all_logits, logits_at)
