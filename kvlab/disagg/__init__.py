@@ -10,7 +10,8 @@ them), the decode engine's the "kv_consumer" (checks what arrived, loads it laye
 layer). The decode engine admits the request the way it swaps a preempted one back in:
 blocks allocated, the KV loaded into them, decoding continues from the first token. A
 transfer that arrives corrupted or truncated is detected and the request is recomputed
-from its prompt, never decoded on bad KV (`pair.py`).
+from its prompt, never decoded on bad KV; if the prefill process dies, the prompts it held
+and every later one are prefilled on the decode engine (`pair.py`).
 
 As vLLM's docs say of its disaggregated prefill: this does not raise throughput; it keeps
 long prompts' prefills from stalling the running decodes (time to first token decoupled

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 import weakref
 from collections.abc import Sequence as Seq
 
@@ -14,7 +15,7 @@ from kvlab.disagg.transfer import KVTransfer
 from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
 from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel
-from kvlab.processes import worker_context
+from kvlab.processes import exit_status, worker_context
 from kvlab.workloads import Request
 
 
@@ -24,6 +25,7 @@ class TransferStats:
     bytes_moved: int = 0
     rejected: int = 0  # corrupted or truncated: recomputed on the decode side
     prefill_s: float = 0.0  # prefill steps' wall time on the prefill side
+    prefilled_here: int = 0  # in flight or not sent when the prefill process died
 
 
 class Disaggregated:
@@ -36,6 +38,11 @@ class Disaggregated:
     The decode engine (`pair.decode`) must swap (it admits transfers as swap-ins) and use
     the prefill engine's KV codec. `fault` ("corrupt" | "truncate") spoils every transfer
     after its checksum, to show detection and recompute.
+
+    If the prefill process dies (a RuntimeWarning says so, and `lost` how it ended), the
+    prompts it held and those not sent yet are prefilled on the decode engine, and the run
+    carries on with the same greedy tokens. The pair then serves every later call on the
+    decode engine alone; the prefill process is not restarted.
     """
 
     def __init__(
@@ -67,19 +74,20 @@ class Disaggregated:
         )
         self.worker.start()
         child.close()  # the worker's end: closed here, a dead worker reads as EOF, not a hang
-        self._expect("ready")
+        self._stop = weakref.finalize(self, _stop, self.worker, self.conn)
         self.prefill_blocks_held: int | None = None  # after close(): 0 means no leak
-        weakref.finalize(self, _stop, self.worker, self.conn)
+        self.lost: str | None = None  # how the prefill process died, once it has
+        try:
+            self._expect("ready")
+        except EOFError:
+            self.close()
+            raise RuntimeError(
+                f"the prefill process exited ({exit_status(self.worker)}) before it was "
+                "ready: its error is printed above"
+            ) from None
 
     def _expect(self, kind: str):
-        try:
-            got, payload = self.conn.recv()
-        except EOFError:
-            self.worker.join(timeout=5)
-            raise RuntimeError(
-                f"the prefill process exited (exit code {self.worker.exitcode}) before "
-                f"sending {kind!r}: its error is printed above"
-            ) from None
+        got, payload = self.conn.recv()
         if got != kind:
             raise RuntimeError(f"prefill process sent {got!r}, expected {kind!r}")
         return payload
@@ -112,24 +120,27 @@ class Disaggregated:
         return self.decode.make_sequence(prompt, params, chat=chat, arrival_s=arrival_s)
 
     def _serve(self, seqs: list) -> list[RequestOutput]:
-        """Send prompts as they arrive, admit transfers as they come back, decode."""
+        """Send prompts as they arrive, admit transfers as they come back, decode. Once the
+        prefill process is dead, the prompts it held and the unsent ones are prefilled here."""
         engine = self.decode
         unsent = sorted(range(len(seqs)), key=lambda i: seqs[i].arrival_s)
+        in_flight: set[int] = set()  # sent to the prefill process, no transfer back yet
         outputs: dict[int, RequestOutput] = {}
         index_of: dict[int, int] = {}  # decode request id -> index
-        in_flight = 0
         while len(outputs) < len(seqs):
-            due = [i for i in unsent if seqs[i].arrival_s <= engine.clock()]
-            if due:
-                unsent = unsent[len(due) :]
-                batch = [(i, seqs[i].prompt_ids, seqs[i].params) for i in due]
-                self.conn.send(("prefill", batch))
-                in_flight += len(due)
+            if self.lost and (in_flight or unsent):
+                for i in [*sorted(in_flight), *unsent]:
+                    index_of[engine.enqueue(seqs[i])] = i  # queued at its arrival time
+                self.stats.prefilled_here += len(in_flight) + len(unsent)
+                in_flight, unsent = set(), []
             busy = engine.has_unfinished()
-            wait = 0 if busy else (seqs[unsent[0]].arrival_s - engine.clock() if unsent else None)
-            if in_flight and self.conn.poll(wait if wait is None else max(wait, 0)):
-                transfer = self._expect("kv")
-                in_flight -= 1
+            try:
+                transfer = self._exchange(seqs, unsent, in_flight, busy)
+            except Exception:  # the pipe broke, or a transfer's shared memory is gone
+                if not self._prefill_died():
+                    raise
+                continue
+            if transfer is not None:
                 request_id, done = self._admit(transfer, seqs[transfer.index])
                 index_of[request_id] = transfer.index
                 for out in done:
@@ -142,6 +153,37 @@ class Disaggregated:
             elif not in_flight and unsent:
                 time.sleep(max(0.0, min(seqs[unsent[0]].arrival_s - engine.clock(), 1.0)))
         return [outputs[i] for i in range(len(seqs))]
+
+    def _exchange(self, seqs: list, unsent: list, in_flight: set, busy: bool):
+        """Send the prompts that are due (moved from `unsent` to `in_flight`); return a
+        transfer that comes back before the decode engine has work (`busy`) or the next
+        prompt is due, else None."""
+        clock = self.decode.clock
+        due = [i for i in unsent if seqs[i].arrival_s <= clock()]
+        if due:
+            del unsent[: len(due)]
+            in_flight.update(due)
+            self.conn.send(("prefill", [(i, seqs[i].prompt_ids, seqs[i].params) for i in due]))
+        wait = 0 if busy else (max(0.0, seqs[unsent[0]].arrival_s - clock()) if unsent else None)
+        if not in_flight or not self.conn.poll(wait):
+            return None
+        transfer = self._expect("kv")
+        in_flight.discard(transfer.index)
+        return transfer
+
+    def _prefill_died(self) -> bool:
+        """Whether the prefill process is dead (after up to 5 s); the first time, warn and
+        set `lost`: from now on this pair prefills on the decode engine."""
+        self.worker.join(timeout=5)
+        if self.worker.is_alive():
+            return False
+        if self.lost is None:
+            self.lost = (
+                f"the prefill process (pid {self.worker.pid}) died ({exit_status(self.worker)})"
+            )
+            warnings.warn(f"{self.lost}: its prompts, and every later one, are prefilled on "
+                          "the decode engine", RuntimeWarning, stacklevel=4)  # fmt: skip
+        return True
 
     def _admit(self, transfer: KVTransfer, seq) -> tuple[int, list[RequestOutput]]:
         """Hand a transfer to the consumer connector and queue its request as an arrival
@@ -170,20 +212,28 @@ class Disaggregated:
         return seq.request_id, []
 
     def close(self) -> None:
-        """Stop the prefill process; `prefill_blocks_held` is its cache's count at exit."""
+        """Stop the prefill process (`prefill_blocks_held`: its cache's count at exit, None
+        if it died) and join it; close the decode engine. Idempotent."""
         if self.worker.is_alive():
-            self.conn.send(("stop", None))
-            self.prefill_blocks_held = self._expect("stopped")
+            try:
+                self.conn.send(("stop", None))
+                self.prefill_blocks_held = self._expect("stopped")
+            except (EOFError, OSError):
+                pass  # it died meanwhile
             self.worker.join(timeout=30)
-        _stop(self.worker, self.conn)
+        self._stop()
+        self.decode.close()
 
 
 def _stop(worker, conn) -> None:
+    """Stop the prefill process (killed if it does not stop), join it, close the pipe."""
     if worker.is_alive():
         try:
             conn.send(("stop", None))
-        except (BrokenPipeError, OSError):
+        except OSError:
             pass
         worker.join(timeout=30)
         if worker.is_alive():
             worker.kill()
+            worker.join()
+    conn.close()
