@@ -202,9 +202,8 @@ def test_a_killed_prefill_process_is_recomputed_here(
         assert time.monotonic() - started < SECONDS
         assert [o.token_ids for o in outs] == expected
         stats = pair.stats
-        assert stats.prefilled_here >= len(
-            PROMPTS
-        ) - 1 and stats.prefilled_here + stats.transfers == len(PROMPTS)
+        assert stats.prefilled_here + stats.transfers == len(PROMPTS)
+        assert stats.prefilled_here >= len(PROMPTS) - 1  # at most one came back first
         assert pair.lost and not pair.worker.is_alive()
         # Later calls serve on the decode engine alone.
         assert [o.token_ids for o in pair.generate(PROMPTS, PARAMS)] == expected
