@@ -1,13 +1,15 @@
-"""Issue figures for the soak of `kvlab serve` (issue 15, part 6): concurrent streaming
-clients on loopback with random disconnects and bad requests mixed in.
+"""Issue figures for the soak of `kvlab serve` (issues 15 and 37): concurrent streaming
+clients of two tenants on loopback with random disconnects and bad requests mixed in.
 
     python benchmarks/serve_soak.py [--clients 64] [--requests-per-client 2] [--prompts 16]
 
-Serves the embedded model (or --model) in this process on a free loopback port, with a
-KV budget too small for every client at once (watermark admission: requests preempt),
-and prints JSON: clients, requests, completed, matched a solo run, disconnects, bad
-requests answered 4xx, unexpected failures, leaked blocks, crashes (engine steps that
-raised), preemptions, and whether the server was still up.
+Serves the embedded model (or --model) in this process on a free loopback port, with API
+keys for two tenants (clients alternate between them) and a KV budget too small for
+every client at once (watermark admission: requests preempt), and prints JSON: clients,
+requests, completed, matched a solo run, disconnects, bad requests answered 4xx,
+unexpected failures, leaked blocks, crashes (1 if the engine loop died), the tenant
+audit of the block tables (hits checked, cross-tenant hits and shares), preemptions, and
+whether the server was still up.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import time
@@ -24,7 +27,11 @@ import torch
 import kvlab
 from kvlab import texts
 from kvlab.serve import ServerThread, engine_config
-from kvlab.serve.soak import soak
+from kvlab.serve.audit import TenantAudit
+from kvlab.serve.soak import settle, soak
+from kvlab.serve.tenants import Tenants
+
+TENANTS = Tenants((("sk-alice", "alice"), ("sk-bob", "bob")))
 
 
 def main() -> None:
@@ -51,24 +58,24 @@ def main() -> None:
         "paged+prefix+watermark", max_model_len=max_model_len, kv_budget_tokens=args.budget_tokens
     )
     engine = kvlab.Engine(model, config)
+    audit = TenantAudit().install(engine)
     started = time.perf_counter()
-    with ServerThread(engine) as server:
+    with ServerThread(engine, tenants=TENANTS) as server:
         report = asyncio.run(
             soak(server.url, model.name, prompts, expected, max_model_len=max_model_len,
                  max_tokens=args.max_tokens, clients=args.clients,
-                 requests_per_client=args.requests_per_client, seed=args.seed)
+                 requests_per_client=args.requests_per_client, seed=args.seed,
+                 keys=["sk-alice", "sk-bob"])
         )  # fmt: skip
         wall_s = time.perf_counter() - started
-        while server.loop.call(lambda e: e.has_unfinished()).result(60):
-            time.sleep(0.1)
-        server.loop.call(lambda e: e.cache.check_integrity()).result(60)
-        report.leaked_blocks = server.loop.call(lambda e: e.cache.allocator.num_used).result(60)
-        report.crashes = int(server.loop.dead is not None)
+        settle(server, report, audit)
         preemptions = server.loop.call(lambda e: e.scheduler.preemptions).result(60)
     print(
         json.dumps(
             {
                 "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, cpu",
+                "load_average": round(os.getloadavg()[0], 1),
+                "tenants": 2,
                 "model": model.name,
                 "config": "paged+prefix+watermark",
                 "budget_tokens": args.budget_tokens,
