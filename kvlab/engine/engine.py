@@ -20,12 +20,13 @@ from tqdm.auto import tqdm
 
 from kvlab.cache import CACHES, make_cache
 from kvlab.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, SamplingParams
+from kvlab.engine.isolation import describe, group_of, run_isolated, sample_isolated, tainted
 from kvlab.engine.outputs import RequestMetrics, RequestOutput, Sample
 from kvlab.engine.sampler import sample
 from kvlab.engine.scheduler import Batch, Scheduler
-from kvlab.engine.sequence import RequestState, Sequence
+from kvlab.engine.sequence import Note, RequestState, Sequence
 from kvlab.engine.telemetry import StepRecord, Telemetry
-from kvlab.integrity import require
+from kvlab.integrity import EngineDead, require
 from kvlab.model.loading import LoadedModel
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.prompts import encode_prompt
@@ -128,6 +129,14 @@ class Engine:
         """Token ids of a prompt; strings get the chat template when the model has one."""
         if isinstance(prompt, str) and not prompt:
             raise ValueError("prompt is empty: give at least one character")
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(
+                    f"prompt is not valid text: {error.reason} at character {error.start} "
+                    f"({prompt[error.start : error.end]!r})"
+                ) from None
         ids = encode_prompt(self.tokenizer, prompt, chat)
         vocab = self.runner.embed.shape[0]
         if not ids:
@@ -235,11 +244,36 @@ class Engine:
             return []
         started = time.perf_counter()
         if self.speculator:
-            self.speculator.draft(batch, self.scheduler.running)  # inside the step's time
-        logits = self._forward(batch)
-        finished = self._advance(batch, logits)
-        self._record(batch, time.perf_counter() - started)
+            self.speculator.leave_out(batch, self.scheduler.running)
+        ran, logits, failed = run_isolated(self._attempt, batch)  # a failing row fails alone
+        if failed:
+            ran, logits, finished = self._fail(ran, logits, failed, now)
+        else:
+            finished = []
+        finished += self._advance(ran, logits)
+        self._record(batch if failed else ran, time.perf_counter() - started)
         return finished
+
+    def _attempt(self, batch: Batch) -> list[torch.Tensor]:
+        """The step's work for `batch`: drafts (speculation), then the forward."""
+        if self.speculator:
+            self.speculator.draft(batch)
+        return self._forward(batch)
+
+    def _fail(self, ran: Batch, logits: list, failed: list, now: float):
+        """Retire the requests whose rows failed alone (finish_reason "error"); rows of
+        `ran` that read blocks a failed row was to write this step are preempted, to
+        recompute. Returns the rows left to advance, their logits and what finished."""
+        out = tainted(self.cache, [seq for seq, _ in failed], ran.seqs)
+        for seq in out:
+            text = "a request it shares blocks with failed before writing them"
+            self.scheduler.preempt(seq, Note("preemption", "shared a failed write", text))
+        finished = []
+        for seq, error in failed:
+            finished += self._retire_request(group_of(seq), "error", now, error)
+        self.finished.extend(finished)
+        keep = [i for i, s in enumerate(ran.seqs) if s in self.scheduler.running]
+        return ran.subset(keep), [logits[i] for i in keep], finished
 
     def _forward(self, batch: Batch) -> list[torch.Tensor]:
         """One forward for the whole batch -> per row, logits (1, vocab) at its last new
@@ -263,25 +297,37 @@ class Engine:
 
     def _advance(self, batch: Batch, logits: list[torch.Tensor]) -> list[RequestOutput]:
         now, finished = self.clock(), []
+        if not batch.seqs:  # every row failed
+            return finished
         for seq, n in batch:
             seq.num_computed += n
         # A prompt chunk yields no token until the whole prompt is in the cache; a row
         # carrying drafts is verified first (kvlab.spec), the others sample one token.
         ready = [row for row, seq in enumerate(batch.seqs) if seq.num_pending <= 0]
         plain = [row for row in ready if not batch.seqs[row].draft_ids]
-        sampled = sample(
+        sampled, failed = sample_isolated(
+            sample,
             torch.cat([logits[row] for row in plain]) if plain else logits[0][:0],
             [batch.seqs[row] for row in plain],
         )
-        tokens = {row: [token] for row, token in zip(plain, sampled)}
+        tokens = {plain[i]: [token] for i, token in sampled.items()}
         for row in ready:
             seq = batch.seqs[row]
             speculated = bool(seq.draft_ids) or seq.spec_room > 0
-            if seq.draft_ids:
-                tokens[row] = self.speculator.verify(seq, logits[row])
-            members = [seq]
-            if seq.first_token_s is None:
-                members += self._fork(seq, logits[row][-1])
+            try:
+                if seq.draft_ids:
+                    tokens[row] = self.speculator.verify(seq, logits[row])
+                members = [seq]
+                if row in tokens and seq.first_token_s is None:
+                    members += self._fork(seq, logits[row][-1])
+            except EngineDead:
+                raise
+            except Exception as error:
+                failed.append((seq, describe(error)))
+            if row not in tokens or any(seq is f for f, _ in failed):
+                if speculated:
+                    self.speculator.rollback(seq)
+                continue
             before = len(seq.output_ids)  # 0: this is the request's first token
             reason = self._emit(seq, tokens[row], now)
             if self.speculator and before:
@@ -294,9 +340,10 @@ class Engine:
                     reason = self._finish_reason(member, member.output_ids[-1])
                 if reason:
                     finished.extend(self._retire(member, reason, now))
-        for seq in batch.seqs:  # a retention policy may drop blocks now
-            if seq.request_id in self.cache.sequences:
-                self.cache.retain(seq)
+        for seq, error in failed:  # sampling or verification raised for these alone
+            finished += self._retire_request(group_of(seq), "error", now, error)
+        for seq in self.scheduler.running:  # a retention policy may drop blocks now (forks
+            self.cache.retain(seq)  # made this step included: they copied a whole table)
         self.finished.extend(finished)
         return finished
 
@@ -311,8 +358,10 @@ class Engine:
                 return reason
         return None
 
-    def _retire(self, seq: Sequence, reason: str, now: float) -> list[RequestOutput]:
-        seq.finish_s, seq.finish_reason = now, reason
+    def _retire(
+        self, seq: Sequence, reason: str, now: float, error: str | None = None
+    ) -> list[RequestOutput]:
+        seq.finish_s, seq.finish_reason, seq.error = now, reason, error
         seq.first_token_s = seq.first_token_s or now
         cancelled = reason == "cancelled"
         state = RequestState.CANCELLED if cancelled else RequestState.FINISHED
@@ -326,13 +375,21 @@ class Engine:
         Prefix-cached blocks go back to the LRU pool. Returns False if the request is not
         queued or running. Its output, with finish_reason "cancelled", lands in `finished`.
         """
+        found = bool(self._members(request_id))
+        self.finished.extend(self._retire_request(request_id, "cancelled", self.clock()))
+        return found
+
+    def _members(self, request_id: int) -> list[Sequence]:
+        """The unfinished samples of a request, wherever they wait or run."""
         queues = self.scheduler.waiting + self.scheduler.running + self.scheduler.swapped
-        members = [s for s in queues if request_id in (s.request_id, s.parent_id)]
-        finished = []
-        for seq in members:
-            finished.extend(self._retire(seq, "cancelled", self.clock()))
-        self.finished.extend(finished)
-        return bool(members)
+        return [s for s in queues if request_id in (s.request_id, s.parent_id)]
+
+    def _retire_request(
+        self, request_id: int, reason: str, now: float, error: str | None = None
+    ) -> list[RequestOutput]:
+        """Retire every unfinished sample of a request (cancelled, or failed with `error`)."""
+        members = self._members(request_id)
+        return [out for seq in members for out in self._retire(seq, reason, now, error)]
 
     # --- sessions and tiers (kvlab.sessions, kvlab.cache.tiers) -------------------------
     def end_session(self, session_id: str) -> SessionEnd:
@@ -354,8 +411,7 @@ class Engine:
         preemption with its cause (who needed how many blocks, how many were free, the
         victim rule's choice). Raises ValueError for an unknown request id."""
         done = [out for out in self.finished if out.request_id == request_id]
-        queues = self.scheduler.waiting + self.scheduler.running + self.scheduler.swapped
-        live = [s for s in queues if request_id in (s.request_id, s.parent_id)]
+        live = self._members(request_id)
         if not done and not live:
             raise ValueError(f"request_id={request_id} is neither queued, running nor finished")
         notes = done[0].notes if done else [n for s in live for n in s.notes]
@@ -450,6 +506,7 @@ class Engine:
             for m in group
         ]
         first = group[0]
+        error = next((m.error for m in group if m.error), None)
         metrics = RequestMetrics(
             first.arrival_s,
             min(m.first_token_s for m in group),
@@ -470,6 +527,7 @@ class Engine:
             metrics,
             samples,
             tuple(note for m in group for note in m.notes),
+            error,
         )
 
     # --- batch API ---------------------------------------------------------------------

@@ -59,7 +59,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens only
     text: str
-    finish_reason: str  # "eos" | "length" | "max_model_len" | "cancelled"
+    finish_reason: str  # "eos" | "length" | "max_model_len" | "cancelled" | "error"
     metrics: RequestMetrics
     samples: list[Sample]  # all n continuations; samples[0] is the one above
     notes: tuple[Note, ...] = ()  # why: prefix-cache misses, preemptions (engine.explain)
+    error: str | None = None  # finish_reason "error": what its forward or sampling raised

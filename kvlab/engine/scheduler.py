@@ -51,6 +51,14 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def subset(self, rows: list[int], num_new_tokens: list[int] | None = None) -> Batch:
+        """The batch of rows `rows` only (kvlab.engine.isolation runs a batch in parts),
+        with their own token counts unless `num_new_tokens` gives others."""
+        seqs = [self.seqs[i] for i in rows]
+        counts = num_new_tokens or [self.num_new_tokens[i] for i in rows]
+        admitted = [s for s in self.admitted if any(s is t for t in seqs)]
+        return Batch(seqs, counts, admitted=admitted)
+
     def __iter__(self):
         return iter(zip(self.seqs, self.num_new_tokens))
 

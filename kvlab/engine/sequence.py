@@ -63,6 +63,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # engine clock per output token
     spec_room: int = 0
     session: str | None = None  # the conversation it belongs to (kvlab.sessions)
+    error: str | None = None  # finish_reason "error": what failed (kvlab.engine.isolation)
 
     def inherit(self, parent: Sequence) -> None:
         """Become a sample forked from `parent` (n > 1) once its prompt is in: take the
@@ -98,4 +99,4 @@ REQUEST_FIELDS = ("prompt_ids", "params", "arrival_s", "salt", "priority", "sess
 SAMPLE_FIELDS = ("request_id", "output_ids", "status", "first_token_s", "finish_s",
                  "finish_reason", "generator", "parent_id", "admit_order", "preemptions",
                  "preempted_at", "stall_s", "notes", "draft_ids", "token_times",
-                 "spec_room")  # fmt: skip
+                 "spec_room", "error")  # fmt: skip

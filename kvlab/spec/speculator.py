@@ -7,7 +7,7 @@ One step, for each decoding sequence (pending token at position p = num_computed
    then schedules 1 + len(drafts) tokens (1 + k' for a proposer that drafts in slots)
    and secures their blocks, preempting as for any other growth.
 2. `draft`: a proposer that drafts in slots runs now; the batch's token counts are set to
-   1 + len(drafts).
+   1 + len(drafts); `leave_out` drops the drafts of running sequences the step leaves out.
 3. The forward computes positions p .. p + d for the row, beside every other row.
 4. `verify`: the tokens it emits (accepted drafts + one); after the engine appends them,
    `rollback` rewinds num_computed to the new length - 1 and the cache returns the
@@ -119,14 +119,16 @@ class Speculator:
         for seq, drafts in zip(decoding, self.proposer.propose(decoding, room)):
             seq.draft_ids, seq.spec_room = drafts, len(drafts)
 
-    def draft(self, batch, running: list[Sequence]) -> None:
-        """Fill the drafts of the batch's decode rows and fit them to the tokens each row
-        was given (a row the budget cut to one token drops its drafts); running sequences
-        the step leaves out drop theirs too."""
+    def leave_out(self, batch, running: list[Sequence]) -> None:
+        """Running sequences the step leaves out drop the drafts `plan` gave them."""
         scheduled = {id(seq) for seq in batch.seqs}
         for seq in running:
             if id(seq) not in scheduled:
                 seq.draft_ids, seq.spec_room = [], 0
+
+    def draft(self, batch) -> None:
+        """Fill the drafts of the batch's decode rows and fit them to the tokens each row
+        was given (a row the budget cut to one token drops its drafts)."""
         rows = [i for i, (s, n) in enumerate(batch) if s.num_pending == 1]
         slotted = [i for i in rows if batch.num_new_tokens[i] > 1]
         if self.proposer.drafts_in_slots and slotted:
