@@ -153,7 +153,7 @@ isolation.attack_summary(frames)
 # %%
 engine = kvlab.Engine(model, engine_config("paged+prefix", max_model_len=1024))
 table, explained = isolation.pii_layouts(engine, SamplingParams(max_new_tokens=1))
-table
+print(table)
 
 # %% [markdown]
 # With the PII first, no user reuses a token of the instructions: every request pays for

@@ -26,7 +26,8 @@ def attack_figure(frames: dict[str, pd.DataFrame]) -> go.Figure:
             y=frame.attrs["threshold_s"] * 1000, line_dash="dash", line_color="#444",
             annotation_text="threshold", row=1, col=col,
         )  # fmt: skip
-    fig.update_yaxes(title_text="time to first token (ms)", type="log", row=1, col=1)
+    fig.update_yaxes(type="log")
+    fig.update_yaxes(title_text="time to first token (ms)", row=1, col=1)
     fig.update_layout(
         title="Does the attacker's guess hit the victim's cached prompt? (first-token time)",
         height=420, width=900, boxmode="group",
