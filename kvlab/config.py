@@ -69,6 +69,9 @@ class EngineConfig:
         attention: "torch" (the plain-torch reference path) or "kernels" (decode steps
             through the Triton paged-attention kernel of kvlab.kernels on CUDA, its torch
             reference elsewhere).
+        batch_invariant: every request's logits, bit for bit, whatever shares its steps
+            (batch size, chunking, prefix-cache hits, thread count), at some speed
+            (kvlab.model.invariant); CPU only, tensor_parallel_size=1, retention="full".
         poison_freed: debug mode: fill freed KV slots with NaN, so a read of another
             sequence's stale state would show up as NaN output.
         record_block_map: keep, for every step, which request owns each physical block
@@ -110,6 +113,7 @@ class EngineConfig:
     preemption: Preemption = "recompute"
     batching: Batching = "continuous"
     attention: AttentionBackend = "torch"
+    batch_invariant: bool = False  # reductions in an order fixed per row (CPU)
     poison_freed: bool = False
     record_block_map: bool = False
     kv_codec: str | None = None
@@ -197,6 +201,13 @@ class EngineConfig:
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
         check_retention(self)
         self._check_tiers()
+        if self.batch_invariant:
+            for name, wanted in (("tensor_parallel_size", 1), ("retention", "full")):
+                value = getattr(self, name)
+                _require(
+                    value == wanted,
+                    f"EngineConfig.batch_invariant=True needs {name}={wanted!r}; got {value!r}",
+                )
 
     def _check_tiers(self) -> None:
         """KV tiers and sessions (kvlab.cache.tiers, kvlab.sessions)."""

@@ -65,6 +65,10 @@ class Engine:
             from kvlab.model.kernel_attention import KernelAttention
 
             self.runner.attention_fn = KernelAttention(self.cache.block_size)
+        if self.config.batch_invariant:  # kvlab.model.invariant
+            from kvlab.model.invariant import make_batch_invariant
+
+            make_batch_invariant(self.runner, kernels=self.config.attention == "kernels")
         if getattr(self.cache, "retention", None) and self.cache.retention.observes_attention:
             from kvlab.cache.retention.scores import ScoredAttention  # H2O's statistics
 

@@ -1,0 +1,153 @@
+"""Batch-invariant mode (EngineConfig.batch_invariant): a request's logits, bit for bit,
+whatever else runs: batch size, chunked prefill, prefix-cache hits, thread count, and
+a decode step equals the same row in a prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+import kvlab
+from kvlab.cache.pool import KVPool
+from kvlab.experiments.determinism import ALONE, Setting, compare, matmul_rows, run
+from kvlab.model.invariant import PaddedLinears, kernel_runs, make_batch_invariant
+from kvlab.model.invariant_attention import group_invariant, invariant_attention
+from kvlab.model.linear import Linears
+from kvlab.model.metadata import build_attention_metadata
+from kvlab.model.runner import ModelRunner
+
+CHUNKS_8 = {"chunked_prefill": True, "max_num_batched_tokens": 8}
+WARM_CHUNKS_24 = {"prefix_caching": "hash", "chunked_prefill": True, "max_num_batched_tokens": 24}
+SETTINGS = [  # each one differs from running alone in several ways at once
+    Setting("batch of 16, 2 threads", threads=2, batch=16),
+    Setting("batch of 4, chunks of 8, 1 thread", CHUNKS_8, threads=1, batch=4),
+    Setting("warm prefix, chunks of 24, batch of 2", WARM_CHUNKS_24, warm=True, batch=2),
+]
+
+
+def prompts_of(model, count: int) -> list[list[int]]:
+    """Chat-template token ids of the first `count` chat prompts (lengths 20-40)."""
+    from kvlab import texts
+    from kvlab.model.prompts import encode_prompt
+
+    return [encode_prompt(model.tokenizer, p) for p in texts.chat_prompts()[:count]]
+
+
+def differing(reference, answers) -> int:
+    """Steps, over all prompts, whose logits are not the reference's bits."""
+    frame = compare(reference, answers)
+    return int((frame["steps"] - frame["bit_exact"]).sum())
+
+
+@pytest.mark.parametrize("attention", ["torch", "kernels"])
+def test_tiny_model_logits_are_the_same_bits_in_every_setting(tiny_model, attention):
+    prompts, companions = prompts_of(tiny_model, 16)[:4], prompts_of(tiny_model, 16)[4:]
+    base = {"attention": attention, "block_size": 8, "batch_invariant": True}
+    reference = run(tiny_model, prompts, ALONE, new_tokens=6, base=base)
+    for setting in SETTINGS:
+        answers = run(tiny_model, prompts, setting, 6, base, companions)
+        assert differing(reference, answers) == 0, setting.name
+
+
+def test_without_it_the_same_settings_change_bits(tiny_model):
+    """The comparison above can fail: in the default mode the settings change logits."""
+    prompts, companions = prompts_of(tiny_model, 16)[:4], prompts_of(tiny_model, 16)[4:]
+    base = {"block_size": 8}
+    reference = run(tiny_model, prompts, ALONE, new_tokens=6, base=base)
+    changed = [
+        differing(reference, run(tiny_model, prompts, s, 6, base, companions)) for s in SETTINGS
+    ]
+    assert all(changed), changed
+
+
+@pytest.mark.parametrize("attention", ["torch", "kernels"])
+def test_real_model_logits_are_the_same_bits_batched_chunked_warm_on_one_thread(model, attention):
+    prompts = prompts_of(model, 4)
+    base = {"attention": attention, "batch_invariant": True}
+    reference = run(model, prompts[:1], Setting("2 threads", threads=2), new_tokens=4, base=base)
+    mixed = Setting(
+        "batch of 4, chunks of 16, warm prefix, 1 thread",
+        {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": "hash"},
+        threads=1,
+        batch=4,
+        warm=True,
+    )
+    assert differing(reference, run(model, prompts, mixed, new_tokens=4, base=base)[:1]) == 0
+
+
+def test_greedy_answers_in_a_batch_equal_hf_generate_alone(model, chat_prompts):
+    engine = kvlab.Engine(
+        model,
+        kvlab.EngineConfig(
+            cache="paged", max_model_len=512, batch_invariant=True, attention="kernels"
+        ),
+    )
+    outputs = engine.generate(chat_prompts[:3], kvlab.SamplingParams(max_new_tokens=16))
+    for out in outputs:
+        expected = hf_greedy(model, out.prompt_token_ids, 16)
+        assert out.token_ids == expected[: len(out.token_ids)]
+    assert outputs[0].text == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_decode_step_equals_the_same_row_in_a_prompt(tiny_model, kernels):
+    runner = ModelRunner(tiny_model.hf_model)
+    make_batch_invariant(runner, kernels=kernels)
+    ids = list(range(100, 170))
+    pool = KVPool(runner.kv_spec, 80, runner.dtype, runner.device)
+    meta = build_attention_metadata([0], [len(ids)], [[0]], 80, runner.device)
+    prompt = runner.forward(torch.tensor(ids), meta, pool, all_logits=True)  # (70, vocab)
+    pool = KVPool(runner.kv_spec, 80, runner.dtype, runner.device)
+    for position, token in enumerate(ids):  # one token a step, as decoding does
+        meta = build_attention_metadata([position], [1], [[0]], 80, runner.device)
+        step = runner.forward(torch.tensor([token]), meta, pool)[0]
+        assert torch.equal(step, prompt[position]), position
+
+
+def test_invariant_attention_matches_the_reference(tiny_model, monkeypatch):
+    """Same rows as pooled_attention up to rounding (it is attention, reordered), and the
+    same bits when a prompt's rows go 7 at a time."""
+    from kvlab.model import invariant_attention as module
+    from kvlab.model.attention import pooled_attention
+
+    runner = ModelRunner(tiny_model.hf_model)
+    pool = KVPool(runner.kv_spec, 128, runner.dtype, runner.device)
+    k = torch.randn(128, runner.num_kv_heads, runner.head_dim)
+    pool.write(0, torch.arange(128), k, torch.randn_like(k))
+    tables = [[0, 1], [2], [3, 4, 5]]
+    meta = build_attention_metadata([0, 10, 40], [20, 1, 1], tables, 16, runner.device)
+    q = torch.randn(22, runner.num_heads, runner.head_dim)
+    ours = invariant_attention(q, 0, pool, meta, runner.scale)
+    torch.testing.assert_close(ours, pooled_attention(q, 0, pool, meta, runner.scale))
+    group = meta.groups[-1]  # the prompt's 20 rows
+    monkeypatch.setattr(module, "QUERY_CHUNK", 7)
+    assert torch.equal(
+        ours[group.rows], group_invariant(q[group.rows], 0, pool, group, runner.scale)
+    )
+
+
+def test_kernels_path_runs_the_native_kernel_here(model):
+    from kvlab.kernels import cpu_kernels_available
+
+    assert kernel_runs(None, 64, torch.device("cpu")) == cpu_kernels_available()
+    assert not kernel_runs("int8", 64, torch.device("cpu"))
+
+
+def test_padded_linears_keep_a_rows_bits_where_f_linear_does_not():
+    weight = torch.randn(1536, 576)  # SmolLM2's gate projection's shape
+    x = torch.randn(40, 576)
+    padded = PaddedLinears(Linears([]))  # nothing reordered: every call takes F.linear
+    alone = padded(x[:1], weight)
+    assert all(torch.equal(padded(x[:m], weight)[:1], alone) for m in (2, 3, 17, 40))
+    table = matmul_rows(weight, counts=(1, 2, 16))
+    plain = table[table["matmul"] == "F.linear (MKL)"]
+    assert not plain["same_bits"].all()  # MKL: one row alone takes another path
+    assert table[table["matmul"] != "F.linear (MKL)"]["same_bits"].all()
+
+
+def test_config_names_what_batch_invariant_mode_needs():
+    with pytest.raises(ValueError, match="batch_invariant=True needs tensor_parallel_size=1"):
+        kvlab.EngineConfig(batch_invariant=True, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="retention='full'"):
+        kvlab.EngineConfig(batch_invariant=True, cache="paged", retention="window")
