@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import platform
@@ -73,6 +74,8 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "command": "python " + " ".join(sys.argv),
+                "date": datetime.date.today().isoformat(),
                 "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, cpu",
                 "load_average": round(os.getloadavg()[0], 1),
                 "tenants": 2,
