@@ -204,9 +204,6 @@ def test_a_request_the_engine_retires_with_an_error_fails_alone_mid_stream(serve
     wait_idle(server)
 
 
-# Until Engine.step isolates a failed forward or sampling itself (issue 37, the engine's
-# side), the step raises and the loop goes dead (503); remove the mark when it lands.
-@pytest.mark.xfail(strict=True, reason="Engine.step does not isolate per-request faults yet")
 @pytest.mark.parametrize("stage", list(ENGINE_STAGES))
 def test_a_fault_in_the_engine_step_fails_that_request_alone(tiny_model, stage, monkeypatch):
     """The engine finds the request behind a failed forward or sampling and retires it
