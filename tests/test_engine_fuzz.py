@@ -1,25 +1,36 @@
-"""A stateful property test: random interleavings of requests, steps, cancellations and bad
-input, on random engine configs, must leave the engine consistent.
+"""A stateful property test: random interleavings of requests, bursts, steps, preemptions,
+cancellations, sessions and bad input, on engine configs that draw every EngineConfig
+field together (speculation with every codec, n > 1, swap and recompute, chunked prefill
+in both orders, prefix caching, tiers with sessions and TTLs, retention policies, the
+kernels path, tensor parallel), must leave the engine consistent.
 
-After every rule: `check_integrity()`, telemetry consistent, no stall while work is queued.
-At the end: every request finished, each greedy (or seeded) sample equal to its solo run on
-an unpressured naive engine with the same KV codec and no speculation (a cancelled one a
-prefix of it; kivi2, whose outputs depend on where its key groups are split, and seeded
-samples under speculative decoding, whose rejection sampling draws other random numbers,
-are checked for consistency only), every block free or cached. With speculation, after
-every rule no sequence holds drafts or blocks past its tokens.
-A retention policy (a config draw) that dropped blocks makes outputs differ from the
-oracle: those runs are checked for consistency only.
+After every rule:
+- `check_integrity()`, the telemetry consistent, no stall while work is queued;
+- the block ledger (tests/block_ledger.py) agrees with the engine: every computed
+  position of every running table holds its own sequence's token, every block the prefix
+  index names holds the prefix it names and no drafted token is ever indexed, no table
+  holds a block past its computed tokens;
+- a retention policy kept no block its rule drops;
+- after `end_session` (or its TTL), nothing of the session is left cached on the device
+  or in any tier, forks included, but what other requests share.
+At the end: every request finished, every block free or cached, and each greedy (or
+seeded) sample equal to its solo run on an unpressured naive engine with the same KV codec
+(a cancelled one a prefix of it). Checked for consistency only: kivi2 (its outputs depend
+on where key groups split), seeded samples under speculation (rejection sampling draws
+other random numbers), and retention policies that dropped blocks.
 
 The suite runs a fast, derandomized profile. A soak: `KVLAB_FUZZ_EXAMPLES=2000 pytest
-tests/test_engine_fuzz.py` (random seeds; hypothesis prints the shrunk failing program).
+tests/test_engine_fuzz.py -s` (random seeds; hypothesis prints the shrunk failing program,
+-s the counts of what the examples did).
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
+from block_ledger import BlockLedger
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -34,29 +45,46 @@ from hypothesis.stateful import (
 import kvlab
 from kvlab.cache.codecs import CODECS
 from kvlab.cache.prefix.hash import HashPrefixIndex
+from kvlab.cache.retention import DROPPED
 from kvlab.cache.tiers import LOAD_POLICIES, WRITE_POLICIES, TierConfig
 from kvlab.config import SamplingParams
 
 MAX_MODEL_LEN = 128
 STALL_STEPS = 200  # steps without a new token while work is queued: a livelock
+TICK_S = 0.01  # the engine clock advances this much per step (session TTLs, arrivals)
 EXAMPLES = int(os.environ.get("KVLAB_FUZZ_EXAMPLES", "0"))
 SOAK = EXAMPLES > 0
-SPECULATIVE = [None, None, {"method": "ngram", "num_speculative_tokens": 1},
-               {"method": "ngram", "num_speculative_tokens": 4},
-               {"method": "layers", "num_speculative_tokens": 2, "draft_layers": 1}]  # fmt: skip
 PREFIXES = ([5 + (7 * j) % 400 for j in range(40)], [900 + (13 * j) % 500 for j in range(40)])
+SESSIONS = (None, None, "s1", "s2")
+SALTS = (None, "a", "b")
 
 
 @st.composite
-def engine_configs(draw, preemption: str | None = None) -> dict:
-    """An engine config; `preemption="swap"` focuses the draw on swapping (a pressured
-    paged pool, full retention), for the mutation tests that break swap-in."""
-    kv_codec = draw(st.sampled_from([None, *CODECS.names()]))
+def speculative(draw, always: bool = False) -> dict | None:
+    if not always and draw(st.booleans()):
+        return None
+    method = draw(st.sampled_from(["layers", "ngram"]))
+    config = {"method": method, "num_speculative_tokens": draw(st.integers(1, 8))}
+    if method == "layers":
+        config["draft_layers"] = 1
+    return config
+
+
+FOCUS = (None, "swap", "speculation", "tiers", "window")  # what a draw must include
+
+
+@st.composite
+def engine_configs(draw, focus: str | None = None) -> dict:
+    """An engine config drawing every EngineConfig field. `focus` makes one feature
+    certain (the mutation tests: swapping under pressure, speculation, tiers with
+    sessions, a sliding window)."""
+    codecs = [None, *CODECS.names()]
+    kv_codec = draw(st.sampled_from(codecs if focus != "tiers" else [None, *codecs]))
     aligned = kv_codec == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
-    pressured = preemption is not None or draw(st.booleans())  # a pool that must preempt
-    cache = "paged" if pressured else draw(st.sampled_from(["naive", "paged"]))
+    pressured = focus in ("swap", "tiers") or draw(st.booleans())  # a pool that must preempt
+    paged = pressured or focus is not None or draw(st.booleans())
     config = dict(
-        cache=cache,
+        cache="paged" if paged else "naive",
         kv_codec=kv_codec,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=draw(st.sampled_from([1, 3, 4, 8])),
@@ -64,17 +92,22 @@ def engine_configs(draw, preemption: str | None = None) -> dict:
         chunked_prefill=draw(st.booleans()),
         schedule_order=draw(st.sampled_from(["prefill-first", "decode-first"])),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
-        preemption=preemption or draw(st.sampled_from(["recompute", "swap"])),
+        preemption="swap" if focus == "swap" else draw(st.sampled_from(["swap", "recompute"])),
+        attention=draw(st.sampled_from(["torch", "torch", "kernels"])),
         poison_freed=draw(st.booleans()),
-        speculative=draw(st.sampled_from(SPECULATIVE)),
+        record_block_map=draw(st.booleans()),
+        speculative=draw(speculative(always=focus == "speculation")),
+        session_ttl_s=draw(st.sampled_from([None, None, 0.05, 0.3])),
     )
-    if cache == "naive":
+    if not paged:
         config["kv_budget_tokens"] = MAX_MODEL_LEN * draw(st.integers(1, 3))
-        return config
-    block_size = draw(st.sampled_from([16, 32] if aligned else [1, 2, 4, 8, 16]))
+        return _tensor_parallel(draw, config)
+    sizes = [1, 2] if focus == "speculation" else [1, 2, 4, 8, 16]  # drafts cross blocks
+    block_size = draw(st.sampled_from([16, 32] if aligned else sizes))
+    prefix = "hash" if focus == "tiers" else draw(st.sampled_from([None, "hash", "hash", "radix"]))
     config.update(
         block_size=block_size,
-        prefix_caching=draw(st.sampled_from([None, "hash", "radix"])),
+        prefix_caching=prefix,
         admission="watermark" if pressured else draw(st.sampled_from(["reserve", "watermark"])),
         watermark=draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])),
         # From a few blocks (most requests rejected, the rest preempt each other) to
@@ -84,20 +117,26 @@ def engine_configs(draw, preemption: str | None = None) -> dict:
     if pressured:
         config.update(kv_budget_tokens=max(block_size, draw(st.sampled_from([96, 128, 160]))),
                       max_num_seqs=8)  # fmt: skip
-    if config["prefix_caching"] == "hash" and draw(st.booleans()):
-        config["tiers"] = draw(tier_configs())
-    retention = (
-        "full"
-        if preemption
-        else draw(st.sampled_from(["full", "full", "full", "window", "sinks", "h2o"]))
-    )
+    retention = {"window": "window", None: None}.get(focus, "full")
+    retention = retention or draw(st.sampled_from(["full"] * 3 + ["window", "sinks", "h2o"]))
     if retention != "full":  # outputs then differ from the oracle: checked for consistency
         config.update(retention=retention, preemption="recompute", attention="torch",
                       speculative=None, retention_window=draw(st.sampled_from([1, 8, 24])),
                       retention_sinks=draw(st.sampled_from([0, 4, 16])),
                       retention_heavy=draw(st.sampled_from([0, 8, 32])))  # fmt: skip
-    if retention != "full":
-        config.pop("tiers", None)
+    elif prefix == "hash" and (focus == "tiers" or draw(st.integers(0, 2))):
+        config["tiers"] = draw(tier_configs())
+    return _tensor_parallel(draw, config)
+
+
+def _tensor_parallel(draw, config: dict) -> dict:
+    """Now and then two ranks, where the config allows them (torch attention, full
+    retention, no tiers, no draft made of the runner's layers)."""
+    spec = config["speculative"]
+    layers = spec is not None and spec["method"] == "layers"
+    allowed = config["attention"] == "torch" and "retention" not in config
+    if allowed and not layers and "tiers" not in config and draw(st.integers(0, 29)) == 0:
+        config["tensor_parallel_size"] = 2
     return config
 
 
@@ -114,8 +153,9 @@ def tier_configs(draw) -> TierConfig:
 
 
 @st.composite
-def prompts(draw) -> list[int]:
-    prefix = draw(st.sampled_from(PREFIXES))[: draw(st.integers(0, 40))]
+def prompts(draw, prefix: list[int] | None = None) -> list[int]:
+    if prefix is None:
+        prefix = draw(st.sampled_from(PREFIXES))[: draw(st.integers(0, 40))]
     tail = draw(st.lists(st.integers(1, 40000), min_size=0 if prefix else 1, max_size=40))
     return prefix + tail
 
@@ -130,6 +170,15 @@ def sampling(draw) -> SamplingParams:
         seed=draw(st.integers(0, 100)) if seeded else None,
         ignore_eos=draw(st.booleans()),
     )
+
+
+@st.composite
+def bursts(draw) -> list[tuple]:
+    """Same-step arrivals over one shared prefix."""
+    prefix = draw(st.sampled_from(PREFIXES))[: draw(st.integers(8, 40))]
+    one = st.tuples(prompts(prefix), sampling(), st.sampled_from([None, "a"]),
+                    st.integers(0, 2), st.sampled_from(SESSIONS))  # fmt: skip
+    return draw(st.lists(one, min_size=2, max_size=6))
 
 
 class Oracle:
@@ -165,9 +214,7 @@ class EngineMachine(RuleBasedStateMachine):
     model = None
     oracle: Oracle | None = None
     requests = Bundle("requests")
-    counts = {"examples": 0, "rules": 0, "steps": 0, "finished": 0, "compared": 0,
-              "preempted": 0, "swapped": 0, "prefix_hits": 0, "forks": 0,
-              "drafted": 0, "accepted": 0}  # fmt: skip
+    counts: Counter = Counter()
 
     @initialize(config=engine_configs())
     def build(self, config):
@@ -176,35 +223,66 @@ class EngineMachine(RuleBasedStateMachine):
         except ValueError as error:  # a budget too small for one sequence, say
             assert "budget" in str(error) or "block" in str(error), error
             self.engine = kvlab.Engine(self.model, kvlab.EngineConfig(max_model_len=128))
+        self.now = 0.0
+        self.engine.clock = lambda: self.now  # a clock that moves only with steps
+        self.ledger = BlockLedger(self.engine)
         self.submitted: dict[int, tuple[list[int], SamplingParams]] = {}
         self.salts: dict[int, str | None] = {}
+        self.session_of: dict[int, tuple[str, int]] = {}  # request -> session, incarnation
+        self.incarnation: Counter = Counter()  # session -> times it has ended
+        self.ends_seen = 0
         self.idle_steps = 0
         self.counts["examples"] += 1
+        for feature in self._features():
+            self.counts[f"with {feature}"] += 1
+
+    def _features(self) -> list[str]:
+        c = self.engine.config
+        return [
+            name
+            for name, on in (
+                ("spec", c.speculative is not None),
+                ("tiers", c.tiers is not None),
+                ("retention", c.retention != "full"),
+                ("kernels", c.attention == "kernels"),
+                ("tp", c.tensor_parallel_size > 1),
+                ("chunked", c.chunked_prefill),
+                ("swap", c.preemption == "swap"),
+                ("ttl", c.session_ttl_s is not None),
+                ("n-gram", c.speculative is not None and c.speculative.method == "ngram"),
+            )
+            if on
+        ]
 
     # --- rules -----------------------------------------------------------------------
-    @rule(target=requests, prompt=prompts(), params=sampling(), salt=st.sampled_from(
-        [None, "a", "b"]), priority=st.integers(0, 2))  # fmt: skip
-    def add(self, prompt, params, salt, priority):
-        return self._add(prompt, params, salt, priority)
+    @rule(target=requests, prompt=prompts(), params=sampling(), salt=st.sampled_from(SALTS),
+          priority=st.integers(0, 2), session=st.sampled_from(SESSIONS))  # fmt: skip
+    def add(self, prompt, params, salt, priority, session):
+        return self._add(prompt, params, salt, priority, session)
 
-    @rule(burst=st.lists(st.tuples(prompts(), sampling(), st.sampled_from([None, "a"]),
-        st.integers(0, 2)), min_size=2, max_size=6))  # fmt: skip
+    @rule(burst=bursts())
     def add_burst(self, burst):
         for request in burst:
             self._add(*request)
+        self.counts["bursts"] += 1
 
-    def _add(self, prompt, params, salt, priority) -> int:
+    def _add(self, prompt, params, salt, priority, session) -> int:
         before = self._queued()
         try:
-            request_id = self.engine.add_request(prompt, params, salt=salt, priority=priority)
+            request_id = self.engine.add_request(
+                prompt, params, salt=salt, priority=priority, session=session
+            )
         except ValueError:
             assert self._queued() == before, "a rejected request changed the queues"
             return -1
         self.submitted[request_id] = (prompt, params)
         self.salts[request_id] = salt
+        if session is not None:
+            self.session_of[request_id] = (session, self.incarnation[session])
         return request_id
 
-    @rule(bad=st.sampled_from(["empty", "vocab", "salt", "long", "n", "budget"]))
+    @rule(bad=st.sampled_from(["empty", "vocab", "salt", "long", "n", "budget", "text",
+                               "session"]))  # fmt: skip
     def bad_request(self, bad):
         before = self._queued()
         params, kwargs, prompt = SamplingParams(max_new_tokens=4), {}, [1, 2, 3]
@@ -217,10 +295,14 @@ class EngineMachine(RuleBasedStateMachine):
             prompt = [1, 10**6]
         elif bad == "salt":
             kwargs["salt"] = 7
+        elif bad == "session":
+            kwargs["session"] = ["s1"]
         elif bad == "long":
             prompt = [3] * MAX_MODEL_LEN
         elif bad == "n":
             params = SamplingParams(max_new_tokens=4, n=10_000)
+        elif bad == "text":
+            prompt = "a lone surrogate \ud800 cannot be encoded"
         else:
             prompt = [3] * capacity  # needs one block more than the whole budget
         with pytest.raises(ValueError):
@@ -251,22 +333,101 @@ class EngineMachine(RuleBasedStateMachine):
         if forks:
             self.engine.cancel(data.draw(st.sampled_from(forks)).request_id)
 
+    @rule(data=st.data())
+    def preempt(self, data):
+        """Preempt a running request by hand (swap or recompute, as configured)."""
+        running = self.engine.scheduler.running
+        if running:
+            self.engine.scheduler.preempt(data.draw(st.sampled_from(running)))
+
+    @rule(session=st.sampled_from(["s1", "s2"]))
+    def end_session(self, session):
+        if session not in self.engine.sessions.records:
+            with pytest.raises(ValueError, match="unknown"):
+                self.engine.end_session(session)
+            return
+        self.engine.end_session(session)
+        self.counts["sessions ended"] += 1
+
     # --- checks ----------------------------------------------------------------------
     @invariant()
     def consistent(self):
         if not hasattr(self, "engine"):
             return
         self.counts["rules"] += 1
-        self.engine.cache.check_integrity()
-        stats = self.engine.telemetry.records
+        engine = self.engine
+        engine.cache.check_integrity()
+        stats = engine.telemetry.records
         if stats:
             row = stats[-1]
-            assert row.blocks_used + row.blocks_free == self.engine.cache.num_blocks
-        for seq in self.engine.scheduler.running:  # speculation rolled back past its drafts
+            assert row.blocks_used + row.blocks_free == engine.cache.num_blocks
+        for seq in engine.scheduler.running:  # speculation rolled back past its drafts
             assert not seq.draft_ids and seq.num_computed <= seq.num_tokens
-            if seq.output_ids and self.engine.cache.name == "paged":
-                held = len(self.engine.cache.block_table(seq)) * self.engine.cache.block_size
-                assert held < seq.num_tokens + self.engine.cache.block_size
+        self.ledger.check()
+        self._check_retention()
+        for end in engine.sessions.ended[self.ends_seen :]:
+            self._check_session_gone(end.session_id)
+        self.ends_seen = len(engine.sessions.ended)
+
+    def _check_retention(self):
+        """Every block older than a policy's window is dropped, but its sinks (sinks) or
+        heavy hitters (h2o, at most retention_heavy of them)."""
+        cache, config = self.engine.cache, self.engine.config
+        if config.retention == "full":
+            return
+        bs = cache.block_size
+        for seq in self.engine.scheduler.running:
+            table = cache.block_table(seq)
+            older = range(min(max(seq.num_computed - config.retention_window, 0) // bs,
+                              seq.num_computed // bs))  # fmt: skip
+            kept = [i for i in older if table[i] != DROPPED]
+            if config.retention == "window":
+                allowed = 0
+            elif config.retention == "sinks":
+                kept = [i for i in kept if i >= -(-config.retention_sinks // bs)]
+                allowed = 0
+            else:
+                allowed = config.retention_heavy // bs
+            assert len(kept) <= allowed, (
+                f"{config.retention} keeps blocks {kept} of request {seq.request_id} "
+                f"({seq.num_computed} tokens, window {config.retention_window})"
+            )
+
+    def _check_session_gone(self, session: str):
+        """Nothing of the session that just ended is cached on the device or in a tier,
+        but prefixes another request shares."""
+        incarnation = self.incarnation[session]
+        self.incarnation[session] += 1
+        mine = {rid for rid, s in self.session_of.items() if s == (session, incarnation)}
+        keyer = HashPrefixIndex(self.engine.cache.block_size)
+        ours, theirs = set(), set()
+        for rid, salt, tokens in self._token_lists():
+            keys = keyer.keys(tokens, salt)
+            (ours if rid in mine else theirs).update(keys)
+        left = ours - theirs
+        cache = self.engine.cache
+        block_of = getattr(getattr(cache, "index", None), "block_of", None)
+        if block_of is not None:
+            cached = {block_of.get(k) for k in left} & set(cache.allocator.cached)
+            assert not cached, f"session {session} ended, yet blocks {cached} stay cached"
+        for tier in cache.connector.stack.tiers if getattr(cache, "connector", None) else []:
+            held = [k for k in left if k in tier]
+            assert not held, f"session {session} ended, yet the {tier.name} tier holds {held}"
+        self.counts["session blocks checked"] += len(left)
+
+    def _token_lists(self):
+        """(request id, salt, verified tokens) of every sample, finished or not."""
+        s = self.engine.scheduler
+        for seq in s.waiting + s.running + s.swapped:
+            rid = seq.request_id if seq.parent_id is None else seq.parent_id
+            yield rid, seq.salt, seq.token_ids
+        for out in self.engine.finished:
+            for sample in out.samples:
+                yield (
+                    out.request_id,
+                    self.salts[out.request_id],
+                    (out.prompt_token_ids + sample.token_ids),
+                )
 
     def _queued(self) -> tuple[int, int, int]:
         s = self.engine.scheduler
@@ -280,8 +441,12 @@ class EngineMachine(RuleBasedStateMachine):
     def _step(self):
         if not self.engine.has_unfinished():
             self.idle_steps = 0
+            if self.engine.config.session_ttl_s is not None:
+                self.now += TICK_S
+                self.engine.step()  # nothing to run; sessions past their TTL still end
             return
         rows, before = len(self.engine.telemetry.records), self._tokens_so_far()
+        self.now += TICK_S
         self.engine.step()
         self.counts["steps"] += 1
         if self.engine.has_unfinished():
@@ -293,18 +458,28 @@ class EngineMachine(RuleBasedStateMachine):
         if not hasattr(self, "engine"):
             return
         engine = self.engine
-        while engine.has_unfinished():
-            self._step()
-            self.consistent()
+        try:
+            while engine.has_unfinished():
+                self._step()
+                self.consistent()
+            self._check_outputs(engine)
+        finally:
+            engine.close()
+            if getattr(engine.cache, "connector", None) is not None:
+                engine.cache.connector.stack.close()
+
+    def _check_outputs(self, engine):
         assert {o.request_id for o in engine.finished} == set(self.submitted)
-        self.counts["finished"] += len(engine.finished)
-        self.counts["preempted"] += engine.scheduler.preemptions
-        self.counts["swapped"] += engine.scheduler.swapped_bytes > 0
-        self.counts["prefix_hits"] += sum(o.metrics.prefix_hit_tokens > 0 for o in engine.finished)
-        self.counts["forks"] += sum(len(o.samples) > 1 for o in engine.finished)
+        c = self.counts
+        c["finished"] += len(engine.finished)
+        c["preempted"] += engine.scheduler.preemptions
+        c["swapped"] += engine.scheduler.swapped_bytes > 0
+        c["prefix hits"] += sum(o.metrics.prefix_hit_tokens > 0 for o in engine.finished)
+        c["forks"] += sum(len(o.samples) > 1 for o in engine.finished)
+        c["sessions"] += len({s for s, _ in self.session_of.values()})
         if engine.speculator:
-            self.counts["drafted"] += engine.spec_stats()["drafted"]
-            self.counts["accepted"] += engine.spec_stats()["accepted"]
+            c["drafted"] += engine.spec_stats()["drafted"]
+            c["accepted"] += engine.spec_stats()["accepted"]
         kv_codec = engine.config.kv_codec
         # kivi2 keeps each sequence's unfinished 16-token key group exact until it
         # completes, so its outputs depend on where prefill chunks and recomputes split
@@ -315,7 +490,7 @@ class EngineMachine(RuleBasedStateMachine):
         for out in finished:
             prompt, params = self.submitted[out.request_id]
             assert len(out.samples) == params.n or out.finish_reason == "cancelled"
-            self.counts["compared"] += 1
+            c["compared"] += 1
             if engine.speculator and not params.greedy:
                 continue  # rejection sampling draws other random numbers: same law only
             for i, sample in enumerate(out.samples):
@@ -332,36 +507,36 @@ class EngineMachine(RuleBasedStateMachine):
     def _check_tiers(self, engine):
         """No leak across tiers, and every block a tier holds is keyed by the salt of a
         request whose tokens it holds."""
-        self.counts["tier_loads"] = self.counts.get("tier_loads", 0) + sum(
-            engine.cache.connector.transfers.onloads.values()
-        )
+        self.counts["tier loads"] += sum(engine.cache.connector.transfers.onloads.values())
         stack = engine.cache.connector.stack
         stack.check_integrity()
         held = [t.held for t in stack.tiers if t.name == "host"]
         assert not held or not held[0], "a swapped-out request still holds host-tier room"
         keyer, origin = HashPrefixIndex(engine.cache.block_size), {}
-        for out in engine.finished:
-            salt = self.salts[out.request_id]
-            for sample in out.samples:
-                for key in keyer.keys(out.prompt_token_ids + sample.token_ids, salt):
-                    origin[key] = salt
+        for _, salt, tokens in self._token_lists():
+            for key in keyer.keys(tokens, salt):
+                origin[key] = salt
         for tier in stack.tiers:
             for key in tier.keys():
                 assert key in origin and origin[key] == tier.salt_of(key), "a tier key's salt"
-        stack.close()
 
 
-def test_engine_state_machine(tiny_model):
-    EngineMachine.model = tiny_model
-    EngineMachine.oracle = Oracle(tiny_model)
-    profile = settings(
-        max_examples=EXAMPLES or 40,
-        stateful_step_count=50,
+def run_machine(model, machine=EngineMachine, examples: int = 40, steps: int = 50, **extra):
+    """Run `machine` (derandomized unless soaking) and return its counts."""
+    machine.model, machine.oracle, machine.counts = model, Oracle(model), Counter()
+    machine.TestCase.settings = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
         deadline=None,
         derandomize=not SOAK,
         suppress_health_check=list(HealthCheck),
         database=None,
+        **extra,
     )
-    EngineMachine.TestCase.settings = profile
-    EngineMachine.TestCase().runTest()
-    print("engine state machine:", EngineMachine.counts)  # pytest -s shows the figures
+    machine.TestCase().runTest()
+    return machine.counts
+
+
+def test_engine_state_machine(tiny_model):
+    counts = run_machine(tiny_model, examples=EXAMPLES or 40)
+    print("engine state machine:", dict(counts))  # pytest -s shows the figures

@@ -1,10 +1,12 @@
 """The oracles can fail: each deliberately broken engine makes the equality tests fail.
 
-An equality test (engine output == a reference run) that passes on a broken engine proves
-nothing. Here three classic KV bugs are planted one at a time, and every equality test that
-exercises the broken path must then fail: swap-in restoring zeros, each token's K/V written
-one slot off, a freed block handed to two requests. Each break is in the paged cache's
-paths, so the naive references stay sound.
+An equality test (engine output == a reference run) or an invariant that passes on a
+broken engine proves nothing. Here classic KV bugs are planted one at a time, and every
+test that exercises the broken path must then fail: swap-in restoring zeros, each
+token's K/V written one slot off, a freed block handed to two requests, a speculative
+rollback that keeps its blocks, a tier load that corrupts K, end_session that keeps the
+tier copies, a sliding window that keeps one block too many. Each break is in the paged
+cache's paths, so the naive references stay sound.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase
 from hypothesis.stateful import initialize
-from test_engine_fuzz import EngineMachine, Oracle, engine_configs
+from test_engine_fuzz import EngineMachine, engine_configs, run_machine
 from test_reliability import (
     test_a_one_token_prompt_is_scheduled_once_per_step,
     test_static_batching_resumes_swapped_requests,
@@ -25,7 +27,10 @@ from test_scheduler import test_four_times_oversubscribed_completes_identically
 import kvlab.engine.engine
 from kvlab.cache.allocator import BlockAllocator
 from kvlab.cache.codecs import StoredKV
+from kvlab.cache.paged import PagedCache
 from kvlab.cache.pool import KVPool
+from kvlab.cache.retention import WindowRetention
+from kvlab.cache.tiers.connector import TierConnector
 
 
 def swap_in_restores_zeros(monkeypatch) -> None:
@@ -62,6 +67,30 @@ def freed_block_handed_out_twice(monkeypatch) -> None:
     monkeypatch.setattr(BlockAllocator, "decref", twice)
 
 
+def rollback_keeps_its_blocks(monkeypatch) -> None:
+    monkeypatch.setattr(PagedCache, "_trim", lambda self, seq: [])  # drafts' blocks stay
+
+
+def tier_load_corrupts_k(monkeypatch) -> None:
+    load = TierConnector._timed_load
+
+    def corrupting(self, entry, layer):
+        load(self, entry, layer)
+        slots = self.cache.block_slots([entry[0]])
+        self.cache.pool.k.view(torch.uint8)[:, slots] ^= 0x55  # every layer's K, flipped
+
+    monkeypatch.setattr(TierConnector, "_timed_load", corrupting)
+
+
+def end_session_keeps_tier_copies(monkeypatch) -> None:
+    monkeypatch.setattr(TierConnector, "discard", lambda self, key: [])
+
+
+def window_keeps_a_block_too_many(monkeypatch) -> None:
+    drop = WindowRetention.drop
+    monkeypatch.setattr(WindowRetention, "drop", lambda self, table, n: drop(self, table, n)[1:])
+
+
 def oversubscribed(mode: str, chunked: bool):
     def run(model):
         test_four_times_oversubscribed_completes_identically(model, mode, chunked)
@@ -70,30 +99,19 @@ def oversubscribed(mode: str, chunked: bool):
     return run
 
 
-class SwapMachine(EngineMachine):
-    """The engine state machine drawing only pressured pools that swap."""
+def focused(focus: str | None, examples: int = 60, steps: int = 40):
+    """The engine state machine, drawing only configs with `focus` (None: any)."""
 
-    @initialize(config=engine_configs(preemption="swap"))
-    def build(self, config):
-        super().build(config)
+    class Focused(EngineMachine):
+        @initialize(config=engine_configs(focus=focus))
+        def build(self, config):
+            super().build(config)
 
+    def run(model):  # finding the failure is enough; no shrinking
+        run_machine(model, Focused, examples, steps, phases=[Phase.generate])
 
-def state_machine(model, machine=EngineMachine):
-    machine.model, machine.oracle = model, Oracle(model)
-    machine.TestCase.settings = settings(
-        max_examples=60,
-        stateful_step_count=40,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],  # finding the failure is enough; no shrinking
-        suppress_health_check=list(HealthCheck),
-    )
-    machine.TestCase().runTest()
-
-
-def swapping_state_machine(model):
-    state_machine(model, SwapMachine)
+    run.__name__ = f"state_machine[{focus or 'any'}]"
+    return run
 
 
 def one_token_prompt(model):
@@ -104,14 +122,18 @@ def static_swap(model):
     test_static_batching_resumes_swapped_requests(model)
 
 
-# Each mutation, and the equality tests that exercise the path it breaks.
+# Each mutation, and the tests that exercise the path it breaks.
 MATRIX = {
     swap_in_restores_zeros: [oversubscribed("swap", False), oversubscribed("swap", True),
-                             static_swap, swapping_state_machine],
+                             static_swap, focused("swap")],
     slot_off_by_one: [oversubscribed("recompute", False), oversubscribed("swap", True),
-                      one_token_prompt, state_machine],
+                      one_token_prompt, focused(None)],
     freed_block_handed_out_twice: [oversubscribed("recompute", False),
-                                   oversubscribed("recompute", True), state_machine],
+                                   oversubscribed("recompute", True), focused(None)],
+    rollback_keeps_its_blocks: [focused("speculation", 20)],
+    tier_load_corrupts_k: [focused("tiers", 30)],
+    end_session_keeps_tier_copies: [focused("tiers", 30)],
+    window_keeps_a_block_too_many: [focused("window", 20)],
 }  # fmt: skip
 CASES = [(m, t) for m, tests in MATRIX.items() for t in tests]
 

@@ -1,0 +1,278 @@
+"""A ledger of what every physical KV slot of an engine holds, kept from outside the engine.
+
+The ledger watches the pool's operations (`write` at layer 0, `copy`, `read`, `restore`,
+`discard`, `poison`) and the engine's forward, and records for every slot the *identity*
+of the K/V written there: the salt and the token prefix up to and including that token
+(a token's K/V depends on every token before it). A prefix is named by an interned id
+(`Prefixes`), so identities compare in O(1). Swap-out copies, tier saves and tier loads
+carry identities along with the stored codes.
+
+`check()` then compares the ledger with what the engine believes:
+- every computed position of every running sequence's table holds that sequence's own
+  prefix (so a prefix hit never lands on a block holding other tokens);
+- every block the prefix index names holds the prefix its entry names, and that prefix
+  is verified (prompt and emitted tokens: never a drafted token);
+- no table holds a block past its computed tokens (a speculative rollback returns them).
+"""
+
+from __future__ import annotations
+
+from kvlab.cache.prefix.hash import HashPrefixIndex
+from kvlab.cache.retention import DROPPED
+from kvlab.integrity import require
+
+
+class Prefixes:
+    """Interned token prefixes: one int per (salt, tokens), made from its parent's id and
+    its last token, so a prefix of length L costs one entry, not L tokens."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}  # ("root", salt) or (parent id, token) -> id
+        self.nodes: list[tuple] = []  # id -> (salt, parent id or None, token, length)
+
+    def _intern(self, key: tuple, node: tuple) -> int:
+        if key not in self.ids:
+            self.ids[key] = len(self.nodes)
+            self.nodes.append(node)
+        return self.ids[key]
+
+    def root(self, salt) -> int:
+        return self._intern(("root", salt), (salt, None, None, 0))
+
+    def child(self, parent: int, token: int) -> int:
+        salt, _, _, length = self.nodes[parent]
+        return self._intern((parent, token), (salt, parent, token, length + 1))
+
+    def walk(self, start: int, tokens) -> list[int]:
+        """Ids of `start` extended by tokens[:1], tokens[:2], ..."""
+        ids = []
+        for token in tokens:
+            start = self.child(start, token)
+            ids.append(start)
+        return ids
+
+    def find(self, salt, tokens) -> int | None:
+        """The id of (salt, tokens) if it was ever interned, else None."""
+        pid = self.ids.get(("root", salt))
+        for token in tokens:
+            if pid is None:
+                return None
+            pid = self.ids.get((pid, token))
+        return pid
+
+    def tail(self, pid: int, count: int) -> list[int]:
+        """The ids of the last `count` prefixes ending at `pid`, oldest first."""
+        ids = []
+        while len(ids) < count and self.nodes[pid][1] is not None:
+            ids.append(pid)
+            pid = self.nodes[pid][1]
+        return ids[::-1]
+
+    def describe(self, pid: int | None) -> str:
+        if pid is None:
+            return "nothing known (never written, poisoned or rolled back)"
+        salt, _, token, length = self.nodes[pid]
+        return f"token {token} after {length - 1} tokens (salt {salt!r})"
+
+
+class BlockLedger:
+    """What each pool slot holds (see the module docstring). Attach once per engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.prefixes = Prefixes()
+        self.slots: dict[int, int | None] = {}  # slot -> prefix id (None: unknown)
+        self.stored: dict[int, tuple] = {}  # id(StoredKV) -> prefix ids, in slot order
+        self.keyed: dict[bytes, tuple] = {}  # tier key -> prefix ids saved under it
+        self.verified: set[int] = set()  # prefix ids of verified tokens
+        self.chains: dict[int, list[int]] = {}  # request id -> ids of its verified tokens
+        self.names: dict[bytes, int] = {}  # hash key of a verified full block -> prefix id
+        self._pending: list[int] | None = None  # the forward's rows' ids, in order
+        self._layer_read: tuple = ()
+        self._wrap(engine)
+
+    # --- watching ----------------------------------------------------------------------
+    def _wrap(self, engine) -> None:
+        pool, forward = engine.cache.pool, engine._forward
+
+        def forward_rows(batch):
+            pending = []
+            for seq, n in batch:
+                chain = self.chain(seq)
+                start = seq.num_computed
+                drafts = self.prefixes.walk(chain[-1], seq.draft_ids)
+                ids = chain + drafts
+                pending += ids[start : start + n]
+            self._pending = pending
+            try:
+                return forward(batch)
+            finally:
+                self._pending = None
+
+        engine._forward = forward_rows
+        self._after(getattr(pool, "local", pool), "write", self._write)  # tp: rank 0's own
+        self._after(pool, "copy", self._copy)
+        self._after(pool, "read", self._read)
+        self._after(pool, "read_layer", self._read_layer)
+        self._after(pool, "restore", self._restore)
+        self._after(pool, "restore_layer", self._restore_layer)
+        self._after(pool, "discard", self._forget)
+        self._after(pool, "poison", self._forget)
+        connector = getattr(engine.cache, "connector", None)
+        if connector is not None:
+            self._watch_tiers(connector)
+
+    @staticmethod
+    def _after(obj, name: str, record) -> None:
+        """Call `record(*args, result=...)` after each call of `obj.name`."""
+        original = getattr(obj, name)
+
+        def wrapped(*args):
+            result = original(*args)
+            record(*args, result=result)
+            return result
+
+        setattr(obj, name, wrapped)
+
+    def _write(self, layer, slots, k, v, result=None) -> None:
+        if layer != 0:
+            return
+        slots = slots.tolist()
+        ids = [None] * len(slots) if self._pending is None else self._pending  # None: a
+        # draft model's own forward (speculation "layers"), overwritten by the target's
+        require(len(ids) == len(slots), "ledger: a forward wrote other rows than it ran")
+        for slot, pid in zip(slots, ids):
+            self.slots[slot] = pid
+
+    def _copy(self, source, target, result=None) -> None:
+        for s, t in zip(source.tolist(), target.tolist()):
+            self.slots[t] = self.slots.get(s)
+
+    def _read(self, slots, result=None) -> None:
+        self.stored[id(result)] = tuple(self.slots.get(s) for s in slots.tolist())
+
+    def _read_layer(self, layer, slots, result=None) -> None:
+        if layer == 0:
+            self._layer_read = tuple(self.slots.get(s) for s in slots.tolist())
+
+    def _restore(self, slots, saved, result=None) -> None:
+        ids = self.stored.get(id(saved))
+        for i, slot in enumerate(slots.tolist()):
+            self.slots[slot] = None if ids is None else ids[i]
+
+    def _restore_layer(self, layer, slots, saved, result=None) -> None:
+        if layer == 0:
+            self._restore(slots, saved)
+
+    def _forget(self, slots, result=None) -> None:
+        for slot in slots.tolist():
+            self.slots[slot] = None
+
+    def _watch_tiers(self, connector) -> None:
+        """A tier save carries the saved block's ids under its key; a load brings them."""
+        stack, wait_for_save, get = connector.stack, connector.wait_for_save, connector.stack.get
+
+        def saving():
+            for block, key, *_ in connector._bound.saves:
+                slots = connector.cache.block_slots([block]).tolist()
+                self.keyed[key] = tuple(self.slots.get(s) for s in slots)
+            return wait_for_save()
+
+        def fetched(key, salt):
+            stored, tier = get(key, salt)
+            if stored is not None:
+                self.stored[id(stored)] = self.keyed.get(key)
+            return stored, tier
+
+        connector.wait_for_save, stack.get = saving, fetched
+
+    # --- what the engine should hold ---------------------------------------------------
+    def chain(self, seq) -> list[int]:
+        """Prefix ids of `seq`'s verified tokens (extended as it emits), starting with its
+        salt's root, so chain[p] names tokens [0, p) and chain[p + 1] includes token p."""
+        chain = self.chains.setdefault(seq.request_id, [self.prefixes.root(seq.salt)])
+        tokens = seq.token_ids
+        if len(chain) <= len(tokens):
+            new = self.prefixes.walk(chain[-1], tokens[len(chain) - 1 :])
+            chain += new
+            self.verified.update(new)
+            self._name_blocks(seq, chain)
+        return chain[1:]
+
+    def _name_blocks(self, seq, chain: list[int]) -> None:
+        index = getattr(self.engine.cache, "index", None)
+        if not isinstance(index, HashPrefixIndex):
+            return
+        bs, tokens = index.block_size, seq.token_ids
+        for i, key in enumerate(index.keys(tokens, seq.salt)):
+            self.names.setdefault(key, chain[(i + 1) * bs])
+
+    def check(self) -> None:
+        """Raise IntegrityError if a table or the prefix index disagrees with the ledger."""
+        engine = self.engine
+        cache, s = engine.cache, engine.scheduler
+        for seq in s.waiting + s.swapped:
+            self.chain(seq)
+        bs = cache.block_size
+        for seq in s.running:
+            chain = self.chain(seq)
+            table = cache.block_table(seq)
+            require(
+                cache.name != "paged" or len(table) * bs < seq.num_computed + bs,
+                f"ledger: request {seq.request_id} holds a block past its {seq.num_computed} "
+                f"computed tokens ({len(table)} blocks of {bs})",
+            )
+            for p in range(seq.num_computed):
+                block = table[p // bs]
+                if block == DROPPED:
+                    continue
+                slot = block * bs + p % bs
+                require(
+                    self.slots.get(slot) == chain[p],
+                    f"ledger: position {p} of request {seq.request_id} is in slot {slot}, "
+                    f"which holds {self.prefixes.describe(self.slots.get(slot))}, not its "
+                    f"own token {seq.token_ids[p]} after {p} tokens",
+                )
+        index = getattr(cache, "index", None)
+        if index is not None:
+            for block, pid in self._indexed(index):
+                self._check_indexed(cache, block, pid)
+
+    def _indexed(self, index) -> list[tuple[int, int]]:
+        """(block, prefix id of its last token) for every block the index names."""
+        if isinstance(index, HashPrefixIndex):
+            entries = []
+            for key, block in index.block_of.items():
+                require(
+                    key in self.names,
+                    f"ledger: the prefix index names block {block} under a key no verified "
+                    "prefix has (a drafted or unknown token is indexed)",
+                )
+                entries.append((block, self.names[key]))
+            return entries
+        entries, stack = [], [(root, (), salt) for salt, root in index.roots.items()]
+        while stack:
+            node, prefix, salt = stack.pop()
+            for child in node.children.values():
+                tokens = prefix + child.tokens
+                pid = self.prefixes.find(salt, tokens)
+                require(
+                    pid in self.verified,
+                    f"ledger: the radix index names block {child.block} for tokens no "
+                    "verified prefix has (a drafted or unknown token is indexed)",
+                )
+                entries.append((child.block, pid))
+                stack.append((child, tokens, salt))
+        return entries
+
+    def _check_indexed(self, cache, block: int, pid: int) -> None:
+        bs = cache.block_size
+        length = self.prefixes.nodes[pid][3]
+        ids = self.prefixes.tail(pid, length - (length - 1) // bs * bs)
+        for offset, want in enumerate(ids):
+            slot = block * bs + offset
+            require(
+                self.slots.get(slot) == want,
+                f"ledger: indexed block {block} slot {offset} holds "
+                f"{self.prefixes.describe(self.slots.get(slot))}, not the token its entry names",
+            )
