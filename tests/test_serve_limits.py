@@ -138,7 +138,7 @@ def test_no_generated_body_gets_a_5xx_and_good_requests_still_answer(server):
     )
     statuses = []
 
-    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=cases)
     def check(case):
         response = case.call(base_url=server.url, timeout=60)
@@ -159,7 +159,7 @@ JSON = st.recursive(
 FIELDS = st.sampled_from(["prompt", "messages", "max_tokens", "n", "top_k", "stop", "seed"])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.dictionaries(FIELDS | st.text(max_size=5), JSON, max_size=5), chat=st.booleans())
 def test_arbitrary_json_bodies_get_no_5xx(server, body, chat):
     reply = post(server, body, "/v1/chat/completions" if chat else "/v1/completions")
