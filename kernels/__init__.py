@@ -11,7 +11,8 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
     kv_codes.py          the codecs' bit layouts (kvlab.cache.codecs), in Triton and torch
     dispatch.py          Triton or torch
     cpu_decode.py        paged decode attention on the CPU: native C (cpu_decode.c), ctypes
-    cpu_prefill.py       prompt attention on the CPU: native C (cpu_prefill.c), ctypes
+    cpu_prefill.py       prompt attention on the CPU: native C (cpu_prefill.c), ctypes; a
+                         batch of sequences in one call (batch-invariant mode's attention)
     cpu_build.py         compiles and loads the native CPU kernels (and cpu_pool.c, their
                          threads) as one library
     _shadowed.py         imported as a bare `kernels` (Python started in the repository
@@ -29,7 +30,7 @@ else:
     from .cache_write import kv_write_ref
     from .cpu_build import cpu_kernels_available
     from .cpu_decode import cpu_paged_decode_attention
-    from .cpu_prefill import cpu_paged_prefill_attention
+    from .cpu_prefill import cpu_paged_prefill_attention, cpu_paged_prefill_attention_batch
     from .decode_attention import auto_splits, paged_decode_attention_ref, walk
     from .dispatch import (
         choose_backend,
@@ -47,6 +48,7 @@ __all__ = [
     "cpu_kernels_available",
     "cpu_paged_decode_attention",
     "cpu_paged_prefill_attention",
+    "cpu_paged_prefill_attention_batch",
     "decode_ref",
     "encode_ref",
     "kv_write",

@@ -15,6 +15,10 @@
  * (cpu_pool.c). Tasks depend only on the shapes, never on the thread count, so the result
  * is the same bits for any number of threads.
  *
+ * kvlab_paged_prefill_batch runs several sequences' rows in one call (a whole step: prompts,
+ * chunks and decodes alike, each a sequence of its own), their tasks from one counter; a
+ * task computes exactly what it computes in a call of its sequence alone.
+ *
  * head_dim must be a multiple of V (16 with AVX-512, else 8). Returns 0, or a KVLAB_E* code.
  */
 
@@ -27,24 +31,32 @@ typedef struct {
     const void *q, *k, *v;
     void *out;
     int dtype_q, dtype_kv;
-    const int64_t *slots;        /* (S,): position j's slot */
+    const int64_t *slots;        /* (B, slots_stride): position j of sequence b's slot */
+    int64_t slots_stride;
+    const int64_t *starts;       /* (B + 1,): sequence b's rows are q[starts[b] .. starts[b + 1]) */
+    const int64_t *lens;         /* (B,): S_b, its positions (the new rows are the last) */
     int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
-    int rows_q, positions;       /* Q and S */
-    int heads, kv_heads, head_dim, group;
+    int batch, heads, kv_heads, head_dim, group;
     float scale;
-    int blocks, tasks;           /* query blocks; blocks x kv_heads */
+    int tasks;                   /* sum over sequences of query blocks x kv_heads */
+    int *first_task;             /* (B + 1,): sequence b's tasks are [first_task[b], ..[b + 1]) */
+    int *task_seq;               /* (tasks,): whose task it is */
     int next_task;               /* the shared counter threads take tasks from */
 } Problem;
 
 /* ---- one task: kv head kvh, query positions i0 .. i0 + QB - 1 -------------------------- */
 
 static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int dtype) {
-    const int kvh = task % p->kv_heads, block = p->blocks - 1 - task / p->kv_heads;
-    const int g = p->group, i0 = block * QB, P = p->positions - p->rows_q;
-    const int qn = p->rows_q - i0 < QB ? p->rows_q - i0 : QB;
+    const int b = p->task_seq[task], local = task - p->first_task[b];
+    const int rows_q = (int)(p->starts[b + 1] - p->starts[b]), positions = (int)p->lens[b];
+    const int blocks = (rows_q + QB - 1) / QB;
+    const int kvh = local % p->kv_heads, block = blocks - 1 - local / p->kv_heads;
+    const int g = p->group, i0 = block * QB, P = positions - rows_q;
+    const int qn = rows_q - i0 < QB ? rows_q - i0 : QB;
     const int rows = qn * g, stride = w->stride, end = P + i0 + qn;
+    const int64_t first = p->starts[b], *slots = p->slots + (int64_t)b * p->slots_stride;
     for (int r = 0; r < stride; r++) { /* row r: position i0 + r / g, head kvh * g + r % g */
-        const int64_t at = ((int64_t)(i0 + r / g) * p->heads + kvh * g + r % g) * d;
+        const int64_t at = ((first + i0 + r / g) * p->heads + kvh * g + r % g) * d;
         for (int c = 0; c < d; c++)
             w->qt[c * stride + r] = r < rows ? load(p->q, p->dtype_q, at + c) * p->scale : 0.0f;
         w->end[r] = r < rows ? P + i0 + r / g + 1 : 0;
@@ -57,13 +69,13 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int d
     for (int c0 = 0; c0 < end; c0 += KC) {
         const int n = end - c0 < KC ? end - c0 : KC;
         for (int j = 0; j < n; j++) {
-            k_at[j] = p->slots[c0 + j] * p->k_slot_stride + k_head;
-            v_at[j] = p->slots[c0 + j] * p->v_slot_stride + v_head;
+            k_at[j] = slots[c0 + j] * p->k_slot_stride + k_head;
+            v_at[j] = slots[c0 + j] * p->v_slot_stride + v_head;
         }
         tiles_chunk(w, p->k, p->v, dtype, k_at, v_at, rows, c0, n, d, c0 + n > P + i0 + 1);
     }
     for (int r = 0; r < rows; r++) {
-        const int64_t at = ((int64_t)(i0 + r / g) * p->heads + kvh * g + r % g) * d;
+        const int64_t at = ((first + i0 + r / g) * p->heads + kvh * g + r % g) * d;
         store(p->out, p->dtype_q, at, w->acc + r * d, 1.0f / w->sum[r], d);
     }
 }
@@ -98,14 +110,48 @@ static int check_args(const Problem *p, int64_t num_slots) {
         return KVLAB_EARG;
     if (p->head_dim < V || p->head_dim > MAX_HEAD_DIM || p->head_dim % V) return KVLAB_EARG;
     if (!dtype_ok(p->dtype_q) || !dtype_ok(p->dtype_kv)) return KVLAB_EARG;
-    if (!p->q || !p->k || !p->v || !p->out || !p->slots) return KVLAB_EARG;
+    if (!p->q || !p->k || !p->v || !p->out || !p->slots || !p->starts || !p->lens)
+        return KVLAB_EARG;
     if (p->k_slot_stride < 0 || p->k_head_stride < 0) return KVLAB_EARG;
     if (p->v_slot_stride < 0 || p->v_head_stride < 0) return KVLAB_EARG;
-    if (p->rows_q < 1 || p->positions < p->rows_q || p->positions > INT32_MAX - KC)
-        return KVLAB_ELEN;
-    for (int j = 0; j < p->positions; j++)
-        if (p->slots[j] < 0 || p->slots[j] >= num_slots) return KVLAB_ESLOT;
+    if (p->batch < 1 || p->slots_stride < 0 || p->starts[0] != 0) return KVLAB_EARG;
+    for (int b = 0; b < p->batch; b++) {
+        const int64_t rows = p->starts[b + 1] - p->starts[b], len = p->lens[b];
+        if (rows < 1 || len < rows || len > p->slots_stride || len > INT32_MAX - KC)
+            return KVLAB_ELEN;
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t slot = p->slots[b * p->slots_stride + j];
+            if (slot < 0 || slot >= num_slots) return KVLAB_ESLOT;
+        }
+    }
     return KVLAB_OK;
+}
+
+/* The task list, then every task on this thread and up to num_threads - 1 helpers. */
+static int run_problem(Problem *p, int num_threads) {
+    int64_t tasks = 0, pairs = 0;
+    for (int b = 0; b < p->batch; b++) {
+        const int64_t rows = p->starts[b + 1] - p->starts[b];
+        tasks += (rows + QB - 1) / QB * p->kv_heads;
+        pairs += rows * p->lens[b] * p->kv_heads;
+    }
+    if (tasks > INT32_MAX) return KVLAB_EARG;
+    p->tasks = (int)tasks;
+    p->first_task = malloc(sizeof(int) * ((size_t)tasks + (size_t)p->batch + 1));
+    if (!p->first_task) return KVLAB_ENOMEM;
+    p->task_seq = p->first_task + p->batch + 1;
+    int t = 0;
+    for (int b = 0; b < p->batch; b++) {
+        p->first_task[b] = t;
+        const int64_t rows = p->starts[b + 1] - p->starts[b];
+        for (int64_t i = 0; i < (rows + QB - 1) / QB * p->kv_heads; i++) p->task_seq[t++] = b;
+    }
+    p->first_task[p->batch] = t;
+    p->next_task = 0;
+    const int threads = pairs < MIN_PARALLEL ? 1 : num_threads < p->tasks ? num_threads : p->tasks;
+    const int status = kvlab_run_parallel(threads, take_tasks, p);
+    free(p->first_task);
+    return status;
 }
 
 /* 1 when this build's register tiles run at the CPU's matmul rate: its target has
@@ -120,6 +166,27 @@ int kvlab_prefill_tiles_fit(void) {
 #endif
 }
 
+/* B sequences at once. q, out: (R, heads, head_dim) contiguous, sequence b's rows at
+ * R-rows starts[b] .. starts[b + 1] - 1, at its positions lens[b] - (its rows) ..
+ * lens[b] - 1; slots: (B, slots_stride), row b's first lens[b] entries its slots; k, v as
+ * above. */
+int kvlab_paged_prefill_batch(const void *q, const void *k, const void *v, void *out,
+                              int dtype_q, int dtype_kv, const int64_t *slots,
+                              int64_t slots_stride, const int64_t *starts, const int64_t *lens,
+                              int B, int64_t num_slots, int64_t k_slot_stride,
+                              int64_t k_head_stride, int64_t v_slot_stride,
+                              int64_t v_head_stride, int heads, int kv_heads, int head_dim,
+                              float scale, int num_threads) {
+    Problem p = {.q = q, .k = k, .v = v, .out = out, .dtype_q = dtype_q, .dtype_kv = dtype_kv,
+                 .slots = slots, .slots_stride = slots_stride, .starts = starts, .lens = lens,
+                 .k_slot_stride = k_slot_stride, .k_head_stride = k_head_stride,
+                 .v_slot_stride = v_slot_stride, .v_head_stride = v_head_stride, .batch = B,
+                 .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim,
+                 .group = kv_heads > 0 ? heads / kv_heads : 0, .scale = scale};
+    const int status = check_args(&p, num_slots);
+    return status != KVLAB_OK ? status : run_problem(&p, num_threads);
+}
+
 /* q, out: (Q, heads, head_dim) contiguous, rows at positions S - Q .. S - 1; k, v:
  * (num_slots, kv_heads, head_dim) with the given element strides, last dim contiguous;
  * slots: (S,) contiguous. */
@@ -128,18 +195,10 @@ int kvlab_paged_prefill(const void *q, const void *k, const void *v, void *out, 
                         int64_t k_slot_stride, int64_t k_head_stride, int64_t v_slot_stride,
                         int64_t v_head_stride, int heads, int kv_heads, int head_dim,
                         float scale, int num_threads) {
-    Problem p = {.q = q, .k = k, .v = v, .out = out, .dtype_q = dtype_q, .dtype_kv = dtype_kv,
-                 .slots = slots, .k_slot_stride = k_slot_stride, .k_head_stride = k_head_stride,
-                 .v_slot_stride = v_slot_stride, .v_head_stride = v_head_stride, .rows_q = Q,
-                 .positions = S, .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim,
-                 .group = kv_heads > 0 ? heads / kv_heads : 0, .scale = scale};
-    int status = check_args(&p, num_slots);
-    if (status != KVLAB_OK) return status;
-    p.blocks = (Q + QB - 1) / QB;
-    p.tasks = p.blocks * kv_heads;
-    p.next_task = 0;
-    const int64_t pairs = (int64_t)Q * S * kv_heads;
-    const int threads = pairs < MIN_PARALLEL ? 1 : num_threads < p.tasks ? num_threads : p.tasks;
-    status = kvlab_run_parallel(threads, take_tasks, &p);
-    return status;
+    const int64_t starts[2] = {0, Q}, lens[1] = {S};
+    if (Q < 1 || S < Q) return KVLAB_ELEN;
+    return kvlab_paged_prefill_batch(q, k, v, out, dtype_q, dtype_kv, slots, S, starts, lens, 1,
+                                     num_slots, k_slot_stride, k_head_stride, v_slot_stride,
+                                     v_head_stride, heads, kv_heads, head_dim, scale,
+                                     num_threads);
 }

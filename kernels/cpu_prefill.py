@@ -21,6 +21,10 @@ head_dim a multiple of 16; k_cache, v_cache (num_slots, kv_heads, head_dim), sam
 last dim contiguous (a layer view `storage[layer]` works); slots (S,) int64, S >= Q >= 1.
 Output (Q, heads, head_dim) in q's dtype. No autograd.
 
+`cpu_paged_prefill_attention_batch` runs several sequences' rows in one call (a whole
+step, decodes as one-row sequences), each row the same bits as in a call of its own:
+tasks are per sequence, taken from one counter.
+
 This module imports only torch and the standard library.
 """
 
@@ -44,6 +48,16 @@ SIGNATURE = (
     + [ctypes.c_int] * 2  # dtype_q, dtype_kv
     + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # slots, Q, S
     + [ctypes.c_int64] * 5  # num_slots, k and v slot/head strides
+    + [ctypes.c_int] * 3  # heads, kv_heads, head_dim
+    + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
+)
+BATCH_SIGNATURE = (
+    [ctypes.c_void_p] * 4  # q, k, v, out
+    + [ctypes.c_int] * 2  # dtype_q, dtype_kv
+    + [ctypes.c_void_p, ctypes.c_int64]  # slots, slots_stride
+    + [ctypes.c_void_p] * 2  # starts, lens
+    + [ctypes.c_int, ctypes.c_int64]  # B, num_slots
+    + [ctypes.c_int64] * 4  # k and v slot/head strides
     + [ctypes.c_int] * 3  # heads, kv_heads, head_dim
     + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
 )
@@ -126,4 +140,63 @@ def cpu_paged_prefill_attention(
         torch.get_num_threads(),
     )
     raise_for(status, "cpu_paged_prefill_attention", ERRORS)
+    return out
+
+
+def cpu_paged_prefill_attention_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """cpu_paged_prefill_attention for B sequences in one call.
+
+    q: (R, heads, head_dim), sequence b's rows at starts[b] .. starts[b + 1] - 1 (the last
+    of its lens[b] positions); slots: (B, S) int64, row b's first lens[b] its slots;
+    starts: (B + 1,) int64 from 0; lens: (B,) int64. -> (R, heads, head_dim).
+    """
+    check_q_and_caches(q, k_cache, v_cache, scale, "R", slots=slots, starts=starts, lens=lens)
+    batch = lens.shape[0]
+    if slots.dim() != 2 or slots.shape[0] != batch or tuple(starts.shape) != (batch + 1,):
+        raise ValueError(
+            f"slots must be (B, S), starts (B + 1,) and lens (B,); got {tuple(slots.shape)}, "
+            f"{tuple(starts.shape)}, {tuple(lens.shape)}"
+        )
+    if batch < 1 or int(starts[-1]) != q.shape[0]:
+        raise ValueError(f"starts must end at q's {q.shape[0]} rows; got {starts.tolist()}")
+    if not prefill_fits(q.shape[-1]):
+        raise ValueError(f"head_dim must be a multiple of {VECTOR}; got {q.shape[-1]}")
+    kernel = native_function("kvlab_paged_prefill_batch", BATCH_SIGNATURE, q.dtype, k_cache.dtype)
+    q = q.detach().contiguous()
+    k_cache, v_cache = rows_contiguous(k_cache), rows_contiguous(v_cache)
+    slots = slots if slots.stride(1) == 1 else slots.contiguous()
+    starts, lens = starts.contiguous(), lens.contiguous()
+    out = torch.empty_like(q)
+    status = kernel(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        DTYPES[q.dtype],
+        DTYPES[k_cache.dtype],
+        slots.data_ptr(),
+        slots.stride(0),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        batch,
+        k_cache.shape[0],
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        q.shape[1],
+        k_cache.shape[1],
+        q.shape[2],
+        float(scale),
+        torch.get_num_threads(),
+    )
+    raise_for(status, "cpu_paged_prefill_attention_batch", ERRORS)
     return out

@@ -11,7 +11,7 @@ from conftest import hf_greedy
 import kvlab
 from kvlab.cache.pool import KVPool
 from kvlab.experiments.determinism import ALONE, Setting, compare, matmul_rows, run
-from kvlab.model.invariant import PaddedLinears, kernel_runs, make_batch_invariant
+from kvlab.model.invariant import InvariantAttention, PaddedLinears, kernel_runs
 from kvlab.model.invariant_attention import group_invariant, invariant_attention
 from kvlab.model.linear import Linears
 from kvlab.model.metadata import build_attention_metadata
@@ -92,8 +92,7 @@ def test_greedy_answers_in_a_batch_equal_hf_generate_alone(model, chat_prompts):
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_a_decode_step_equals_the_same_row_in_a_prompt(tiny_model, kernels):
-    runner = ModelRunner(tiny_model.hf_model)
-    make_batch_invariant(runner, kernels=kernels)
+    runner = ModelRunner(tiny_model.hf_model, InvariantAttention(kernels), batch_invariant=True)
     ids = list(range(100, 170))
     pool = KVPool(runner.kv_spec, 80, runner.dtype, runner.device)
     meta = build_attention_metadata([0], [len(ids)], [[0]], 80, runner.device)
@@ -151,3 +150,27 @@ def test_config_names_what_batch_invariant_mode_needs():
         kvlab.EngineConfig(batch_invariant=True, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="retention='full'"):
         kvlab.EngineConfig(batch_invariant=True, cache="paged", retention="window")
+
+
+def test_the_batched_prompt_kernel_gives_each_sequence_its_own_calls_bits():
+    from kvlab.kernels import (
+        cpu_kernels_available,
+        cpu_paged_prefill_attention,
+        cpu_paged_prefill_attention_batch,
+    )
+
+    if not cpu_kernels_available():
+        pytest.skip("the native CPU kernels are unavailable")
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 600, 3, 64, generator=gen)
+    lens, rows = [300, 41, 7, 1], [40, 1, 7, 1]  # a chunk, a decode, a prompt, a first token
+    slots = torch.stack([torch.randperm(600, generator=gen)[:300] for _ in lens])  # (B, S)
+    q = torch.randn(sum(rows), 9, 64, generator=gen)
+    starts = torch.tensor([0, *rows]).cumsum(0)
+    out = cpu_paged_prefill_attention_batch(
+        q, k_cache, v_cache, slots, starts, torch.tensor(lens), 0.125
+    )
+    for b, length in enumerate(lens):
+        mine = slice(int(starts[b]), int(starts[b + 1]))
+        alone = cpu_paged_prefill_attention(q[mine], k_cache, v_cache, slots[b, :length], 0.125)
+        assert torch.equal(out[mine], alone), b

@@ -117,28 +117,20 @@ def attend(
 def invariant_cpu_attention(
     q: torch.Tensor, layer: int, pool: KVPool, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """invariant_attention's contract through the native prompt kernel, every row.
+    """invariant_attention's contract through the native prompt kernel, the whole step in
+    one call (kvlab.kernels.cpu_paged_prefill_attention_batch).
 
     The kernel computes a row in lanes of its own over key chunks that start at position
-    0, so a row's bits depend on its position and keys only: a decode is a one-row prompt
-    call. The pool's codec must be one of kvlab.kernels.dispatch.CPU_CODECS and the
-    native kernels built with head_dim a multiple of 16 (`kernel_runs`).
+    0, so a row's bits depend on its position and keys only: a decode is a one-row prompt.
+    The pool's codec must be one of kvlab.kernels.dispatch.CPU_CODECS and the native
+    kernels built, head_dim a multiple of 16 (kvlab.model.invariant.kernel_runs).
     """
-    from kvlab.kernels import cpu_paged_prefill_attention
+    from kvlab.kernels import cpu_paged_prefill_attention_batch
     from kvlab.model.kernel_attention import pool_layer
 
-    out = torch.empty_like(q)
     stored = pool_layer(pool, layer)
-    k_cache, v_cache = stored["k_cache"], stored["v_cache"]
-    for group in meta.groups:
-        if group.lens is None:  # one prompt: (Q, heads, head_dim), written in place
-            slots = group.slots[0]
-            cpu_paged_prefill_attention(
-                q[group.rows], k_cache, v_cache, slots, scale, out=out[group.rows]
-            )
-            continue
-        for row, slots, length in zip(group.rows.tolist(), group.slots, group.lens.tolist()):
-            cpu_paged_prefill_attention(
-                q[row : row + 1], k_cache, v_cache, slots[:length], scale, out=out[row : row + 1]
-            )
-    return out
+    starts = F.pad(meta.last_token_index + 1, (1, 0))  # (B + 1,): each sequence's first row
+    return cpu_paged_prefill_attention_batch(
+        q, stored["k_cache"], stored["v_cache"], meta.context_slots, starts,
+        meta.context_lens, scale,
+    )  # fmt: skip
