@@ -48,6 +48,7 @@ LONG_MODULES = (
     "test_labs.py",
     "test_benchmarks.py",
     "test_tensor_parallel.py",
+    "test_wheel.py",
 )
 NOTEBOOK_TIMES = Path(__file__).parents[1] / "benchmarks" / "results" / "notebook_times.json"
 
