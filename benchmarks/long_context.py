@@ -19,8 +19,8 @@ streams in and the cache never holds more than its budget plus one chunk.
 
 from __future__ import annotations
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.experiments import longctx, quality
 from kvlab.experiments.scripts import load, machine, report, script_parser
 from kvlab.units import MiB

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Engine": "kvlab.engine.engine",
+    "Engine": "kvlab.build",
     "EngineConfig": "kvlab.config",
     "SamplingParams": "kvlab.config",
     "LoadedModel": "kvlab.model.loading",

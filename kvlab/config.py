@@ -1,4 +1,10 @@
-"""Configuration dataclasses. Each one checks itself and names the field, value and limit."""
+"""Configuration dataclasses. Each one checks itself and names the field, value and limit.
+
+A leaf: nothing of kvlab is imported here. The fields that name registered parts (a
+cache, prefix index, KV codec, retention policy, proposer, tier) are checked against their
+registries when an engine is built (`kvlab.cache.check_config`, kvlab.speculative), so
+`Engine(model, config)` raises the ValueError before any work.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from kvlab.cache.tiers import TierConfig
-    from kvlab.spec import SpeculativeConfig
 
 # The fixed choices. The variants (cache kinds, prefix indexes, KV codecs) are registered
 # parts: see kvlab.cache.CACHES, kvlab.cache.prefix.PREFIX_INDEXES, kvlab.cache.codecs.CODECS.
@@ -62,8 +67,9 @@ class EngineConfig:
             none; V0 kept 0.01).
         preemption: how a victim gives up its blocks when they run out: "recompute"
             (drop them; its prompt + generated tokens are prefilled again on resume) or
-            "swap" (copy them to host memory and back on resume). The victim is the
-            running request of lowest priority, then the most recently admitted.
+            "swap" (copy them to host memory and back on resume; a cache that cannot
+            swap, the naive one, recomputes). The victim is the running request of
+            lowest priority, then the most recently admitted.
         batching: "continuous" (a waiting request joins as soon as memory frees) or
             "static" (a new batch starts only when the whole previous batch is done).
         attention: "torch" (the plain-torch reference path) or "kernels" (decode steps
@@ -86,7 +92,7 @@ class EngineConfig:
         kv_codec: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
             "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
             count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
-        speculative: speculative decoding, a kvlab.spec.SpeculativeConfig (or a dict of
+        speculative: speculative decoding, a kvlab.speculative.SpeculativeConfig (or a dict of
             its fields, as vLLM's speculative_config): e.g. {"method": "ngram",
             "num_speculative_tokens": 4}. None decodes one token per step.
         tensor_parallel_size: run the model as this many processes on this machine
@@ -117,7 +123,7 @@ class EngineConfig:
     poison_freed: bool = False
     record_block_map: bool = False
     kv_codec: str | None = None
-    speculative: SpeculativeConfig | dict | None = None
+    speculative: SpeculativeConfig | dict | None = None  # a dict becomes a SpeculativeConfig
     tensor_parallel_size: int = 1
     tiers: TierConfig | None = None  # the KV hierarchy below the device pool
     session_ttl_s: float | None = None
@@ -126,32 +132,7 @@ class EngineConfig:
     retention_sinks: int = 4
     retention_heavy: int = 256
 
-    @property
-    def admission_policy(self) -> str:
-        """The admission in force: `admission`, or when None the cache's default (the
-        first of its `admissions`)."""
-        if self.admission is not None:
-            return self.admission
-        from kvlab.cache import CACHES
-
-        return CACHES[self.cache].admissions[0]
-
     def __post_init__(self) -> None:
-        from kvlab.cache import CACHES, PREFIX_INDEXES
-        from kvlab.cache.codecs import CODECS
-        from kvlab.cache.retention import check_config as check_retention
-
-        cache = CACHES[self.cache]  # each registry's error names the field and the choices
-        if self.prefix_caching is not None:
-            PREFIX_INDEXES[self.prefix_caching]
-            _require(
-                cache.shares_prefixes,
-                f"EngineConfig.prefix_caching={self.prefix_caching!r} needs cache="
-                + " or ".join(map(repr, _capable(CACHES, "shares_prefixes"))),
-            )
-        CODECS[self.kv_codec]
-        from kvlab.spec import SpeculativeConfig
-
         self.speculative = SpeculativeConfig.coerce(self.speculative)
         for name, choices in (
             ("batching", Batching),
@@ -170,11 +151,6 @@ class EngineConfig:
             f"{get_args(Admission)} or None (the cache's default)",
         )
         _require(
-            self.admission_policy in cache.admissions,
-            f"EngineConfig.admission={self.admission!r} needs cache='paged' "
-            f"(cache={self.cache!r} implements {cache.admissions})",
-        )
-        _require(
             self.kv_budget_bytes is None or self.kv_budget_tokens is None,
             "EngineConfig: give kv_budget_bytes or kv_budget_tokens, not both",
         )
@@ -184,6 +160,21 @@ class EngineConfig:
         _require(
             0 <= self.watermark < 1, f"EngineConfig.watermark={self.watermark} must be in [0, 1)"
         )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
+        self._check_tensor_parallel()
+        self._check_retention()
+        self._check_tiers()
+        if self.batch_invariant:
+            for name, wanted in (("tensor_parallel_size", 1), ("retention", "full")):
+                value = getattr(self, name)
+                _require(
+                    value == wanted,
+                    f"EngineConfig.batch_invariant=True needs {name}={wanted!r}; got {value!r}",
+                )
+
+    def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
         _require(tp >= 1, f"EngineConfig.tensor_parallel_size={tp} must be >= 1")
         if tp > 1:
@@ -196,28 +187,35 @@ class EngineConfig:
                 "EngineConfig.speculative method 'layers' (a draft made of the runner's "
                 "layers) needs tensor_parallel_size=1",
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+
+    def _check_retention(self) -> None:
+        """Retention (kvlab.cache.retention): its sizes, and what it combines with."""
+        for name, low in (("retention_window", 1), ("retention_sinks", 0), ("retention_heavy", 0)):
             value = getattr(self, name)
-            _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
-        check_retention(self)
-        self._check_tiers()
-        if self.batch_invariant:
-            for name, wanted in (("tensor_parallel_size", 1), ("retention", "full")):
-                value = getattr(self, name)
-                _require(
-                    value == wanted,
-                    f"EngineConfig.batch_invariant=True needs {name}={wanted!r}; got {value!r}",
-                )
+            _require(
+                isinstance(value, int) and value >= low,
+                f"EngineConfig.{name}={value!r} must be an int >= {low}",
+            )
+        if self.retention == "full":
+            return
+        for name, off in (("speculative", None), ("tensor_parallel_size", 1), ("tiers", None)):
+            _require(
+                getattr(self, name) == off,
+                f"EngineConfig.retention={self.retention!r} needs {name}={off!r}: drafts, "
+                "shards and tiers are not combined with dropped blocks yet",
+            )
+        needs = {"cache": "paged", "preemption": "recompute", "attention": "torch"}
+        for name, wanted in needs.items():
+            _require(
+                getattr(self, name) == wanted,
+                f"EngineConfig.retention={self.retention!r} needs {name}={wanted!r} "
+                f"(got {getattr(self, name)!r}): dropped blocks live only in paged block "
+                "tables, swap copies whole sequences and the kernels read whole tables",
+            )
 
     def _check_tiers(self) -> None:
-        """KV tiers and sessions (kvlab.cache.tiers, kvlab.sessions)."""
-        from kvlab.cache.tiers import TierConfig
-
+        """KV tiers and sessions (kvlab.cache.tiers, kvlab.engine.sessions)."""
         if self.tiers is not None:
-            _require(
-                isinstance(self.tiers, TierConfig),
-                f"EngineConfig.tiers={self.tiers!r} must be a kvlab.cache.tiers.TierConfig",
-            )
             _require(
                 self.cache == "paged" and self.prefix_caching == "hash",
                 f"EngineConfig.tiers needs cache='paged' and prefix_caching='hash' (a tier's "
@@ -233,8 +231,60 @@ class EngineConfig:
         _require(ttl is None or ttl > 0, f"EngineConfig.session_ttl_s={ttl} must be > 0 or None")
 
 
-def _capable(registry, capability: str) -> tuple:
-    return tuple(name for name, part in registry.items() if getattr(part, capability))
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts up to `num_speculative_tokens` tokens per
+    decoding sequence, and the model verifies them all in the step's one forward.
+
+    Attributes:
+        method: a proposer in kvlab.speculative.PROPOSERS: "ngram" (prompt lookup: the
+            tokens that followed an earlier occurrence of the sequence's last n tokens)
+            or "layers" (self-speculation: the model's first `draft_layers` layers, then
+            its final norm and LM head, draft autoregressively).
+        num_speculative_tokens: k, the most tokens drafted per sequence per step.
+        prompt_lookup_min: shortest n-gram "ngram" matches.
+        prompt_lookup_max: longest n-gram "ngram" tries first.
+        draft_layers: layers of the "layers" draft (default: a quarter of the model's).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_speculative_tokens >= 1,
+            f"SpeculativeConfig.num_speculative_tokens={self.num_speculative_tokens} must be >= 1",
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"SpeculativeConfig: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
+            f"<= prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        _require(
+            self.draft_layers is None or self.draft_layers >= 1,
+            f"SpeculativeConfig.draft_layers={self.draft_layers} must be >= 1",
+        )
+
+    @classmethod
+    def coerce(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from itself, a dict of its fields (vLLM's
+        `speculative_config` style), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            _require(
+                not unknown,
+                f"EngineConfig.speculative: unknown field(s) {sorted(unknown)}; the fields "
+                f"are {list(cls.__dataclass_fields__)}",
+            )
+            return cls(**value)
+        raise ValueError(
+            f"EngineConfig.speculative={value!r} must be a SpeculativeConfig, a dict or None"
+        )
 
 
 @dataclass

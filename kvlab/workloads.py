@@ -40,7 +40,7 @@ class Request:
     arrival_s: float = 0.0  # seconds after the start of the run
     salt: str | None = None
     priority: int = 0
-    session: str | None = None  # a conversation (kvlab.sessions): end_session / TTL free it
+    session: str | None = None  # a conversation (kvlab.engine.sessions): end_session / TTL free it
 
     def __post_init__(self) -> None:
         if len(self.prompt) == 0:

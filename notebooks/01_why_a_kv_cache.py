@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 01 · Why a KV cache
 #
-# *Engine files shown here:* `kvlab/engine/engine.py` (the step loop), `kvlab/model/runner.py`
+# *Engine files shown here:* `kvlab/engine/core.py` (the step loop), `kvlab/model/runner.py`
 # (the forward that writes and reads K/V), `kvlab/cache/naive.py`,
 # `kvlab/experiments/why_cache.py`.
 #

@@ -13,11 +13,12 @@
 # %% [markdown]
 # # 09 · Speculative decoding: drafts, verification in one forward, rollback
 #
-# *Engine files shown here:* `kvlab/spec/ngram.py` (prompt lookup), `kvlab/spec/layers.py`
-# (a self-speculative draft from the model's first layers), `kvlab/spec/verify.py`
-# (greedy acceptance, rejection sampling), `kvlab/spec/speculator.py` (plan, draft,
-# verify, rollback), `kvlab/cache/base.py` and `kvlab/cache/paged.py` (`KVCache.rewind`),
-# `kvlab/engine/scheduler.py` (1 + k slots per decode), `kvlab/engine/engine.py`;
+# *Engine files shown here:* `kvlab/speculative/ngram.py` (prompt lookup),
+# `kvlab/speculative/layers.py` (a self-speculative draft from the model's first layers),
+# `kvlab/speculative/verify.py` (greedy acceptance, rejection sampling),
+# `kvlab/speculative/speculator.py` (plan, draft, verify, rollback), `kvlab/cache/base.py`
+# and `kvlab/cache/swap_retention.py` (`KVCache.rewind`),
+# `kvlab/engine/scheduler.py` (1 + k slots per decode), `kvlab/engine/core.py`;
 # measured by `kvlab/experiments/speculative.py` and `kvlab/experiments/spec_hf.py`,
 # drawn by `kvlab/viz/speculative.py`.
 #
@@ -37,7 +38,7 @@
 # `num_computed_tokens` the same way; SGLang frees the rejected slots; TensorRT-LLM trims
 # the cache tail.
 #
-# Two proposers are registered in `kvlab.spec.PROPOSERS`:
+# Two proposers are registered in `kvlab.speculative.PROPOSERS`:
 #
 # * **`ngram`** (prompt lookup; vLLM's `ngram` method, HF's `prompt_lookup_num_tokens`):
 #   the tokens that followed an earlier occurrence of the sequence's last n tokens. No
@@ -62,9 +63,9 @@ import torch
 
 import kvlab
 from kvlab import SamplingParams
+from kvlab.config import SpeculativeConfig
 from kvlab.experiments import speculative
-from kvlab.spec import SpeculativeConfig
-from kvlab.spec.speculator import Speculator
+from kvlab.speculative.speculator import Speculator
 from kvlab.viz.speculative import batch_figure, describe_event, k_figure, rollback_animation
 
 pio.renderers.default = "plotly_mimetype"
@@ -206,7 +207,7 @@ batch_figure(frame)
 #   and more wrongly. Try `SpeculativeConfig("layers", 2, draft_layers=15)`: a deeper
 #   draft accepts more but costs more per draft token.
 # * Sample (`SamplingParams(temperature=0.8, seed=0)`): drafts are then accepted by
-#   rejection sampling (`kvlab/spec/verify.py`), which keeps the model's distribution.
+#   rejection sampling (`kvlab/speculative/verify.py`), which keeps the model's distribution.
 # * Run section 2 with `kv_codec="kivi2"`: drafts stop one short of a 16-token key
 #   group, so rejected drafts never reach its scales.
 #

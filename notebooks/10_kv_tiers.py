@@ -18,7 +18,7 @@
 #
 # *Engine files shown here:* `kvlab/cache/tiers/` (`host.py`, `disk.py`, `stack.py`,
 # `policies.py`, `connector.py`), `kvlab/cache/connector.py` (the vLLM-named interface),
-# `kvlab/cache/paged.py` (`_evict` demotes, `_allocate` promotes), `kvlab/sessions.py`
+# `kvlab/cache/paged.py` (`_evict` demotes, `_allocate` promotes), `kvlab/engine/sessions.py`
 # (`engine.end_session`, the TTL), `kvlab/multiturn.py` (the multi-turn chat trace),
 # `kvlab/experiments/tiers.py`, `kvlab/viz/tiers.py`.
 #

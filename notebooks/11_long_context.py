@@ -47,7 +47,7 @@ import kvlab
 from kvlab.cache.retention import DROPPED, RETENTION
 from kvlab.config import EngineConfig, SamplingParams
 from kvlab.experiments import longctx, quality
-from kvlab.model.retained_metadata import build_retained_metadata
+from kvlab.model.metadata import build_retained_metadata
 from kvlab.units import MiB
 from kvlab.viz.retention import block_map_figure, frontier_figure, memory_figure
 

@@ -93,7 +93,7 @@ class BlockLedger:
 
     # --- watching ----------------------------------------------------------------------
     def _wrap(self, engine) -> None:
-        pool, forward = engine.cache.pool, engine._forward
+        pool, forward = engine.cache.pool, engine._compute
 
         def forward_rows(batch):
             pending = []
@@ -109,7 +109,7 @@ class BlockLedger:
             finally:
                 self._pending = None
 
-        engine._forward = forward_rows
+        engine._compute = forward_rows
         self._after(getattr(pool, "local", pool), "write", self._write)  # tp: rank 0's own
         self._after(pool, "copy", self._copy)
         self._after(pool, "read", self._read)

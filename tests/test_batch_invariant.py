@@ -174,3 +174,26 @@ def test_the_batched_prompt_kernel_gives_each_sequence_its_own_calls_bits():
         mine = slice(int(starts[b]), int(starts[b + 1]))
         alone = cpu_paged_prefill_attention(q[mine], k_cache, v_cache, slots[b, :length], 0.125)
         assert torch.equal(out[mine], alone), b
+
+
+def test_drift_script_finds_no_changed_bits_in_batch_invariant_modes(tiny_model_path):
+    from test_benchmarks import run_script
+
+    result = run_script("drift", tiny_model_path)
+    for mode, settings in result["modes"].items():
+        changed = {name: row["steps_not_bit_exact"] for name, row in settings.items()}
+        if "invariant" in mode:
+            assert not any(changed.values()), (mode, changed)
+    assert any(result["modes"]["default"][s]["steps_not_bit_exact"] for s in ("batch of 16",))
+
+
+def test_cost_script_times_four_systems_on_two_workloads(tiny_model_path):
+    from test_benchmarks import run_script
+
+    result = run_script("batch_invariant", tiny_model_path)
+    assert set(result["workloads"]) == {"doc-qa", "chat"}
+    for timed in result["workloads"].values():
+        assert len(timed["systems"]) == 4
+        assert set(timed["invariant_over_default"]) == {"torch", "kernels"}
+        assert all(row["tok_s_median"] > 0 for row in timed["systems"].values())
+    assert result["date"] and result["command"].startswith("python benchmarks/")

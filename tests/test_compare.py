@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
+from kvlab.build import Engine
 from kvlab.cli import main
-from kvlab.engine.engine import Engine
 from kvlab.experiments.compare import compare
 from kvlab.experiments.configs import parse_budget, parse_config
 from kvlab.experiments.metrics import METRICS, run_metrics

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import kvlab
-import kvlab.engine.engine as engine_module
+import kvlab.engine.postprocess as engine_module
 from kvlab.config import SamplingParams
 from kvlab.integrity import EngineDead
 

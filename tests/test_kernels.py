@@ -44,7 +44,8 @@ import kvlab  # noqa: E402
 from kvlab.cache.pool import KVPool  # noqa: E402
 from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention  # noqa: E402
-from kvlab.model.kernel_attention import KernelAttention, kernel_write, pool_layer  # noqa: E402
+from kvlab.model.kernel_args import pool_layer  # noqa: E402
+from kvlab.model.kernel_attention import KernelAttention, kernel_write  # noqa: E402
 from kvlab.model.metadata import build_attention_metadata  # noqa: E402
 from kvlab.units import ceil_div  # noqa: E402
 

@@ -29,7 +29,6 @@ from kvlab.cache import BlockAllocator, KVPool, KVSpec, PagedCache
 from kvlab.cache.retention import DROPPED, RETENTION
 from kvlab.config import SamplingParams
 from kvlab.engine.scheduler import choose_victim
-from kvlab.engine.sequence import Sequence
 from kvlab.integrity import IntegrityError
 from kvlab.labs import (
     KvlabHostTier,
@@ -53,6 +52,7 @@ from kvlab.labs import (
     student,
     victim,
 )
+from kvlab.sequence import Sequence
 
 LABS = student.LABS
 NAMES = list(LAB_NAMES)

@@ -24,7 +24,7 @@ from test_reliability import (
 )
 from test_scheduler import test_four_times_oversubscribed_completes_identically
 
-import kvlab.engine.engine
+import kvlab.engine.core
 from kvlab.cache.allocator import BlockAllocator
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.paged import PagedCache
@@ -42,7 +42,7 @@ def swap_in_restores_zeros(monkeypatch) -> None:
 
 
 def slot_off_by_one(monkeypatch) -> None:
-    build = kvlab.engine.engine.build_attention_metadata
+    build = kvlab.engine.core.build_attention_metadata
 
     def shifted(starts, query_lens, tables, block_size, device):
         meta = build(starts, query_lens, tables, block_size, device)
@@ -52,7 +52,7 @@ def slot_off_by_one(monkeypatch) -> None:
             )  # token p's K/V lands on token p - 1's slot
         return meta
 
-    monkeypatch.setattr(kvlab.engine.engine, "build_attention_metadata", shifted)
+    monkeypatch.setattr(kvlab.engine.core, "build_attention_metadata", shifted)
 
 
 def freed_block_handed_out_twice(monkeypatch) -> None:

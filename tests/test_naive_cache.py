@@ -8,7 +8,7 @@ from conftest import small_engine
 import kvlab
 from kvlab.cache import KVPool, KVSpec, NaiveCache
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import Sequence
+from kvlab.sequence import Sequence
 
 
 def _seq(i: int, n: int = 10) -> Sequence:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import kvlab
 from kvlab.cache import BlockAllocator, KVPool, KVSpec, OutOfBlocks, PagedCache
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import Sequence
+from kvlab.sequence import Sequence
 
 
 def _cache(num_blocks: int, block_size: int, max_model_len: int = 256) -> PagedCache:

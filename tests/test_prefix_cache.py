@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvlab import texts
 from kvlab.cache import HashPrefixIndex, KVPool, KVSpec, PagedCache, RadixPrefixIndex
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import Sequence
+from kvlab.sequence import Sequence
 
 INDEXES = {"hash": HashPrefixIndex, "radix": RadixPrefixIndex}
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvlab import workloads
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.experiments import quality
 from kvlab.model.prompts import encode_prompt
 from kvlab.model.runner import ModelRunner

@@ -11,7 +11,7 @@ import kvlab
 from kvlab.cache.prefix.hash import HashPrefixIndex
 from kvlab.cache.tiers import TierConfig
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import REQUEST_FIELDS, SAMPLE_FIELDS, Sequence
+from kvlab.sequence import REQUEST_FIELDS, SAMPLE_FIELDS, Sequence
 
 HOST = TierConfig(tiers=("host",), host_blocks=64)
 

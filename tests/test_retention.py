@@ -11,14 +11,13 @@ import kvlab
 from kvlab.cache.pool import KVPool
 from kvlab.cache.retention import DROPPED, RETENTION
 from kvlab.cache.retention.h2o import HeavyHitterRetention
-from kvlab.cache.retention.scores import ScoredAttention
 from kvlab.cache.retention.sinks import SinksRetention
 from kvlab.cache.retention.window import WindowRetention
 from kvlab.config import EngineConfig, SamplingParams
 from kvlab.experiments import longctx
 from kvlab.model.attention import pooled_attention
-from kvlab.model.metadata import build_attention_metadata
-from kvlab.model.retained_metadata import build_retained_metadata
+from kvlab.model.metadata import build_attention_metadata, build_retained_metadata
+from kvlab.model.scored_attention import ScoredAttention
 
 PROMPT = [5 + (7 * j) % 400 for j in range(120)]
 

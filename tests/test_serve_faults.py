@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 import kvlab  # noqa: E402
-import kvlab.engine.engine as engine_module  # noqa: E402
+import kvlab.engine.postprocess as engine_module  # noqa: E402
 from kvlab.integrity import EngineDead  # noqa: E402
 from kvlab.serve import ServerThread, engine_config  # noqa: E402
 from kvlab.serve.detokenize import TextStream  # noqa: E402

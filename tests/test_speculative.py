@@ -8,9 +8,10 @@ import torch
 import kvlab
 from kvlab import EngineConfig, SamplingParams
 from kvlab.cache.codecs import CODECS
-from kvlab.spec import PROPOSERS, SpeculativeConfig
-from kvlab.spec.ngram import lookup
-from kvlab.spec.verify import accept_greedy, accept_sampled
+from kvlab.config import SpeculativeConfig
+from kvlab.speculative import PROPOSERS
+from kvlab.speculative.ngram import lookup
+from kvlab.speculative.verify import accept_greedy, accept_sampled
 from kvlab.units import ceil_div
 
 # Token loops (the random tiny model repeats itself) and quotes of the prompt: n-gram
@@ -161,7 +162,7 @@ def test_greedy_outputs_equal_no_speculation(tiny_model, spec, config):
     assert engine.cache.num_available == engine.cache.num_blocks  # nothing leaked
 
 
-class Oracle(kvlab.spec.Proposer):
+class Oracle(kvlab.speculative.Proposer):
     """Drafts the true greedy continuation (`truth`), or its tokens + 1 (`wrong`)."""
 
     truth: dict[tuple, list[int]] = {}

@@ -8,7 +8,8 @@ import json
 import pandas as pd
 import pytest
 
-import kvlab.engine.engine as engine_module
+import kvlab.engine.core as core
+import kvlab.engine.postprocess as postprocess
 from kvlab import Engine, EngineConfig
 from kvlab.cli import main
 from kvlab.experiments.step_profile import (
@@ -30,10 +31,10 @@ def _requests() -> list[Request]:
 
 
 def test_profiling_changes_no_token_and_unwraps_everything(tiny_model):
-    metadata, sample = engine_module.build_attention_metadata, engine_module.sample
+    metadata, sample = core.build_attention_metadata, postprocess.sample
     steps = profile_steps(tiny_model, _requests(), CONFIG)
-    assert engine_module.build_attention_metadata is metadata
-    assert engine_module.sample is sample
+    assert core.build_attention_metadata is metadata
+    assert postprocess.sample is sample
     plain = Engine(tiny_model, CONFIG).run(_requests(), ignore_eos=True)
     assert sum(len(o.token_ids) for o in plain) == 18
     # One row per step that ran a forward; one prefill, then decodes of 3 sequences.

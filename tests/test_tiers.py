@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvlab
+from kvlab.cache import check_config
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.tiers import LOAD_POLICIES, TIERS, WRITE_POLICIES, DiskTier, HostTier, TierConfig
 from kvlab.cache.tiers.stack import TierStack
@@ -155,8 +156,9 @@ def test_engine_config_needs_paged_hash_for_tiers():
         kvlab.EngineConfig(cache="paged", prefix_caching="radix", tiers=TierConfig())
     with pytest.raises(ValueError, match="cache='paged'"):
         kvlab.EngineConfig(tiers=TierConfig())
+    config = kvlab.EngineConfig(cache="paged", prefix_caching="hash", tiers={"tiers": ["host"]})
     with pytest.raises(ValueError, match="must be a kvlab.cache.tiers.TierConfig"):
-        kvlab.EngineConfig(cache="paged", prefix_caching="hash", tiers={"tiers": ["host"]})
+        check_config(config)  # when an engine is built, before anything else
     with pytest.raises(ValueError, match="session_ttl_s=0 must be > 0"):
         kvlab.EngineConfig(session_ttl_s=0)
 

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 from kvlab import texts
+from kvlab.build import Engine
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine
 from kvlab.experiments import sharing
 from kvlab.viz import prefix as viz
 

@@ -7,29 +7,36 @@ A new variant is one file with a `@CACHES.register("name")` class implementing `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvlab.cache.allocator import BlockAllocator, OutOfBlocks
 from kvlab.cache.base import KVCache, MemoryStats, make_pool
+from kvlab.cache.check import check_config
+from kvlab.cache.naive import NaiveCache  # registers "naive"
+from kvlab.cache.paged import PagedCache  # registers "paged"
 from kvlab.cache.pool import KVPool
 from kvlab.cache.prefix import PREFIX_INDEXES, HashPrefixIndex, RadixPrefixIndex
+from kvlab.cache.registry import CACHES
 from kvlab.cache.spec import KVSpec
-from kvlab.registry import Registry
-
-CACHES: Registry[type[KVCache]] = Registry("KV cache", "cache")
-
-from kvlab.cache.naive import NaiveCache  # noqa: E402  (registers "naive")
-from kvlab.cache.paged import PagedCache  # noqa: E402  (registers "paged")
 
 
 def make_cache(
-    config, spec: KVSpec, dtype: torch.dtype, device: torch.device, max_model_len: int
+    config,
+    spec: KVSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    attach: Callable[[KVPool], KVPool] | None = None,
 ) -> KVCache:
     """The cache `config.cache` names, over a pool sized by the config's KV budget and
-    stored through the codec `config.kv_codec` names."""
+    stored through the codec `config.kv_codec` names. `attach` wraps the pool before the
+    cache takes it (tensor parallel: every rank mirrors it)."""
+    check_config(config)
     cache = CACHES[config.cache]
     pool = make_pool(config, cache, spec, dtype, device, max_model_len)
-    return cache.from_config(config, pool, max_model_len)
+    return cache.from_config(config, attach(pool) if attach else pool, max_model_len)
 
 
 __all__ = [
@@ -45,5 +52,6 @@ __all__ = [
     "PREFIX_INDEXES",
     "PagedCache",
     "RadixPrefixIndex",
+    "check_config",
     "make_cache",
 ]

@@ -26,7 +26,7 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
-from kvlab.engine.sequence import Sequence
+from kvlab.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvlab.config import EngineConfig
@@ -69,6 +69,12 @@ class KVCache(ABC):
         self.sequences: dict[int, Sequence] = {}  # admitted, by request id
 
     # --- construction ----------------------------------------------------------------
+    @classmethod
+    def admission_of(cls, config: EngineConfig) -> str:
+        """The admission policy in force: `config.admission`, or when None this cache's
+        default (the first of its `admissions`)."""
+        return config.admission or cls.admissions[0]
+
     @classmethod
     @abstractmethod
     def slot_unit(cls, config: EngineConfig, max_model_len: int) -> tuple[str, int]:
@@ -179,6 +185,12 @@ class KVCache(ABC):
         positions = torch.arange(start, end)
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
         return slots.to(self.pool.device)
+
+    def forget_prefixes(self, prefixes: list[tuple], keep: set[bytes]) -> dict[str, int]:
+        """Free what holds the given (tokens, salt) prefixes for reuse (a session ended):
+        cached blocks and tier copies, but the chained keys in `keep`. A cache without
+        prefix sharing holds nothing after its requests finish."""
+        return {"device": 0}
 
     def drop_swapped(self, seq: Sequence) -> None:  # noqa: B027  (only tiers keep swap room)
         """A swapped-out request's saved KV is gone (it swapped in, or ended swapped out)."""

@@ -36,7 +36,7 @@ import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from kvlab.engine.sequence import Sequence
+from kvlab.sequence import Sequence
 
 
 @dataclass

@@ -7,11 +7,11 @@ still holds max_model_len slots; the difference is waste.
 
 from __future__ import annotations
 
-from kvlab.cache import CACHES
 from kvlab.cache.base import KVCache
 from kvlab.cache.pool import KVPool
-from kvlab.engine.sequence import Sequence
+from kvlab.cache.registry import CACHES
 from kvlab.integrity import require
+from kvlab.sequence import Sequence
 
 
 @CACHES.register("naive")

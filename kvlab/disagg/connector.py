@@ -27,8 +27,8 @@ from kvlab.cache.base import KVCache
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.connector import ConnectorMeta, KVConnector
 from kvlab.disagg.transfer import KVTransfer, checksum
-from kvlab.engine.sequence import Sequence
 from kvlab.integrity import require
+from kvlab.sequence import Sequence
 
 ROLES = ("kv_producer", "kv_consumer")  # vLLM's KVTransferConfig.kv_role values
 Transport = Callable[[Sequence, StoredKV, str], None]  # (request, its KV, checksum) -> sent

@@ -8,12 +8,13 @@ import warnings
 import weakref
 from collections.abc import Sequence as Seq
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig, SamplingParams
 from kvlab.disagg.connector import PrefillDecodeConnector
 from kvlab.disagg.prefill import prefill_main
 from kvlab.disagg.transfer import KVTransfer
-from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
+from kvlab.engine.requests import Prompt
 from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel
 from kvlab.processes import exit_status, worker_context
 from kvlab.workloads import Request

@@ -29,7 +29,7 @@ def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str |
     connector (read off the pool layer by layer, checksummed) onto the pipe, and the
     request is cancelled, freeing its blocks.
     """
-    from kvlab.engine.engine import Engine
+    from kvlab.build import Engine
     from kvlab.model.loading import load_model
 
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from kvlab.units import ceil_div
 
 if TYPE_CHECKING:
-    from kvlab.engine.engine import Engine
+    from kvlab.engine.core import EngineCore as Engine
 
 
 @dataclass(frozen=True)

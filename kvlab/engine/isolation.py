@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvlab.engine.sequence import Sequence
 from kvlab.integrity import EngineDead
+from kvlab.sequence import Sequence
 
 Failure = tuple[Sequence, str]  # a row that failed alone, and why
 

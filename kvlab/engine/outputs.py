@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.engine.sequence import Note
+from kvlab.sequence import Note
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import Sequence
+from kvlab.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvlab.cache.base import KVCache
+from kvlab.cache.connector import KVConnector
 from kvlab.config import EngineConfig
-from kvlab.engine.sequence import Note, RequestState, Sequence
-
-if TYPE_CHECKING:
-    from kvlab.disagg.connector import PrefillDecodeConnector
+from kvlab.sequence import Note, RequestState, Sequence
 
 Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
 
@@ -120,7 +117,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by queue_key
         self.swap_space: dict[int, object] = {}  # request id -> its KV in host memory
-        self.arrivals: dict[int, PrefillDecodeConnector] = {}  # request id -> the connector
+        self.arrivals: dict[int, KVConnector] = {}  # request id -> the connector
         # its KV arrives through (another engine prefilled it)
         self.events: list[Event] = []
         self.preemptions = self.swapped_bytes = self.recomputed_tokens = 0
@@ -143,7 +140,7 @@ class Scheduler:
         self.running.append(seq)
         self.events.append(Event(self._now, seq.request_id, RequestState.RUNNING))
 
-    def add_arrived(self, seq: Sequence, connector: PrefillDecodeConnector) -> None:
+    def add_arrived(self, seq: Sequence, connector: KVConnector) -> None:
         """A request whose KV arrived from elsewhere (another engine's prefill) waits in
         `swapped`, and is swapped in like a preempted one: the cache allocates its blocks
         and `connector` loads its KV into them."""
@@ -350,7 +347,8 @@ class Scheduler:
         # A request admitted in this very step is requeued, never swapped: its blocks may
         # hold prefix hits on blocks published for this step but not yet computed.
         fresh = any(victim is seq for seq in self._fresh)
-        if self.config.preemption == "swap" and victim.num_computed and not fresh:
+        swap = self.config.preemption == "swap" and self.cache.swaps  # naive: recompute
+        if swap and victim.num_computed and not fresh:
             saved = self.cache.swap_out(victim)
             self.swap_space[victim.request_id] = saved
             self.swapped_bytes += saved.nbytes

@@ -37,7 +37,7 @@ import plotly.graph_objects as go
 import torch
 from tqdm.auto import tqdm
 
-from kvlab.engine.engine import Engine
+from kvlab.build import Engine
 from kvlab.experiments.configs import default_max_model_len, model_bytes_per_token, parse_config
 from kvlab.experiments.peers import choose_batch_size, hf_generate, hf_generate_batch
 from kvlab.model.loading import LoadedModel

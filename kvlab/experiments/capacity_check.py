@@ -40,8 +40,8 @@ def check_against_engine(
     Prompts are distinct windows of the held-out text (token ids), so nothing is shared.
     """
     from kvlab import texts
+    from kvlab.build import Engine
     from kvlab.config import EngineConfig
-    from kvlab.engine.engine import Engine
     from kvlab.workloads import Request
 
     sequence_len = prompt_len + output_len

@@ -27,8 +27,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.experiments.configs import (
     DEFAULT_CONFIGS,
     default_max_model_len,

@@ -5,7 +5,8 @@ or "prefix" for hash, as vLLM), a KV codec ("int8", "kivi2", ...), "chunked" (ch
 prefill), "watermark" (watermark admission, with preemption: the paged default, spelled
 out), "reserve" (reserve admission: worst case promised, never preempts), "swap" (swap
 preemption), "static" (static batching), "kernels" (decode attention through
-kvlab.kernels: Triton on CUDA, the native C kernel on the CPU) and "bsN" (block size N).
+kvlab.kernels: Triton on CUDA, the native C kernel on the CPU), "invariant"
+(batch-invariant mode: EngineConfig.batch_invariant) and "bsN" (block size N).
 Cache kinds, prefix indexes and codecs come from their registries, so a newly registered
 one is a valid option at once.
 
@@ -34,6 +35,7 @@ FLAGS: dict[str, dict[str, object]] = {
     "swap": {"preemption": "swap"},
     "static": {"batching": "static"},
     "kernels": {"attention": "kernels"},
+    "invariant": {"batch_invariant": True},
 }
 
 

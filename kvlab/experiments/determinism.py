@@ -21,8 +21,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 
 TOP = 8  # logits kept per step besides the digest: the leaders, for gaps
@@ -70,7 +70,7 @@ def record_logits(engine: Engine) -> dict[int, list[torch.Tensor]]:
     """From now on, each request's logits at every token it samples, by request id:
     (vocab,) float32 tensors in step order. Wraps the engine's forward step."""
     seen: dict[int, list[torch.Tensor]] = {}
-    forward = engine._forward
+    forward = engine._compute
 
     def recorded(batch):
         logits = forward(batch)
@@ -79,7 +79,7 @@ def record_logits(engine: Engine) -> dict[int, list[torch.Tensor]]:
                 seen.setdefault(seq.request_id, []).append(rows[-1].clone())
         return logits
 
-    engine._forward = recorded
+    engine._compute = recorded
     return seen
 
 

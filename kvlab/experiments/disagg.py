@@ -14,9 +14,9 @@ import statistics
 import time
 
 from kvlab import workloads
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
 from kvlab.disagg import Disaggregated
-from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.workloads import Request
 

@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import texts
+from kvlab.build import Engine
 from kvlab.cache import make_cache
 from kvlab.cache.retention import DROPPED
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine
-from kvlab.engine.sequence import Sequence
 from kvlab.model.loading import LoadedModel
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.runner import ModelRunner
+from kvlab.sequence import Sequence
 from kvlab.units import round_up
 
 CITIES = ("Aldervale", "Brightwater", "Corran", "Dunmere", "Eastholm", "Fenwick", "Glenport",
@@ -146,7 +146,7 @@ def score(
     cache.admit(seq, alone=True, chunk=chunk)
     attention = runner.attention_fn
     if cache.retention.observes_attention:
-        from kvlab.cache.retention.scores import ScoredAttention
+        from kvlab.model.scored_attention import ScoredAttention
 
         runner.attention_fn = ScoredAttention(attention, cache.retention.scores, cache.block_size)
     tokens = torch.tensor(ids, dtype=torch.long, device=runner.device)

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import texts, workloads
+from kvlab.build import Engine
 from kvlab.cache.codecs import CODECS
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.runner import ModelRunner

@@ -19,9 +19,10 @@ from dataclasses import replace
 import pandas as pd
 
 from kvlab import texts
+from kvlab.build import Engine
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
+from kvlab.engine.requests import Prompt
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB, round_up
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import copy
 import time
 
-from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine
+from kvlab.build import Engine
+from kvlab.config import EngineConfig, SamplingParams, SpeculativeConfig
 from kvlab.experiments.spec_runs import SpecRun, mark_identity
 from kvlab.model.loading import LoadedModel
-from kvlab.spec import SpeculativeConfig
-from kvlab.spec.speculator import SpecStats, Speculator
+from kvlab.speculative.speculator import SpecStats, Speculator
 from kvlab.units import round_up
 from kvlab.workloads import Request
 

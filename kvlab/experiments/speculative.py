@@ -42,7 +42,8 @@ from functools import partial
 
 import torch
 
-from kvlab.engine.engine import Engine
+from kvlab.build import Engine
+from kvlab.config import SpeculativeConfig
 from kvlab.experiments.spec_kvlab import (  # noqa: F401 (re-exported for notebooks)
     batch_sweep,
     kvlab_batch_run,
@@ -52,7 +53,6 @@ from kvlab.experiments.spec_kvlab import (  # noqa: F401 (re-exported for notebo
 )
 from kvlab.experiments.spec_runs import SpecResult, SpecRun, mark_identity  # noqa: F401
 from kvlab.model.loading import LoadedModel
-from kvlab.spec import SpeculativeConfig
 from kvlab.workloads import Request, chat, doc_qa, encode_requests
 
 DEFAULT_KS = (1, 2, 4, 8)

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.workloads import Request
 
@@ -86,7 +86,8 @@ class _Clock:
 @contextmanager
 def _instrumented(engine: Engine, clock: _Clock):
     """Wrap the parts of `engine`'s step with `clock`; unwrap on exit."""
-    import kvlab.engine.engine as engine_module
+    import kvlab.engine.core as core
+    import kvlab.engine.postprocess as postprocess
 
     runner, pool = engine.runner, engine.cache.pool
     parts = {  # (owner, attribute) -> the part its time counts towards
@@ -95,8 +96,8 @@ def _instrumented(engine: Engine, clock: _Clock):
         (runner, "attention_fn"): "attention+gather",
         (runner, "forward"): "forward",
         (runner, "linear"): "matmuls",
-        (engine_module, "build_attention_metadata"): "metadata",
-        (engine_module, "sample"): "sampling",
+        (core, "build_attention_metadata"): "metadata",
+        (postprocess, "sample"): "sampling",
     }
     saved = {key: getattr(*key) for key in [*parts, (engine.scheduler, "schedule")]}
     try:

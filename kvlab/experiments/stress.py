@@ -22,9 +22,10 @@ import numpy as np
 import pandas as pd
 
 from kvlab import texts
+from kvlab.build import Engine
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine, Prompt
 from kvlab.engine.outputs import RequestOutput
+from kvlab.engine.requests import Prompt
 from kvlab.engine.scheduler import Event
 from kvlab.model.loading import LoadedModel
 from kvlab.workloads import Request

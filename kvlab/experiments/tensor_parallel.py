@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig, SamplingParams
-from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.parallel import check_tensor_parallel
 

@@ -26,8 +26,8 @@ import pandas as pd
 import torch
 
 from kvlab import texts
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.experiments.configs import model_bytes_per_token
 from kvlab.experiments.vllm_peer import VLLM_BLOCK_SIZE, VllmPeer, vllm_engine_args
 from kvlab.model.loading import LoadedModel

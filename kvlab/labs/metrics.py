@@ -148,7 +148,7 @@ class _Server:
 
     def serve(self, request: Request) -> None:
         from kvlab.config import SamplingParams
-        from kvlab.engine.sequence import Sequence
+        from kvlab.sequence import Sequence
 
         rid, self.next_id = self.next_id, self.next_id + 1
         if request.family is None:

@@ -30,8 +30,8 @@ import torch
 
 from kvlab.cache import BlockAllocator, KVPool, KVSpec, PagedCache
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import Sequence
 from kvlab.labs.grading import SEED_STRIDE, Broken, Case, LabResult, grade, search
+from kvlab.sequence import Sequence
 from kvlab.units import ceil_div
 
 RollbackFn = Callable[[list[int], int, int, int, int, dict[int, int]], tuple]

@@ -18,8 +18,8 @@ import torch
 from kvlab.cache import KVPool, KVSpec, PagedCache
 from kvlab.cache.prefix import PrefixIndex
 from kvlab.config import SamplingParams
-from kvlab.engine.sequence import Sequence
 from kvlab.labs.grading import Broken, Case, Transcript, where
+from kvlab.sequence import Sequence
 
 BODY = [(11 * i + 3) % 50 for i in range(24)]  # a "document" every family shares
 CONSISTENT = "PagedCache.check_integrity() holds after every operation"

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from kvlab.config import SamplingParams
 from kvlab.engine.scheduler import choose_victim
-from kvlab.engine.sequence import RequestState, Sequence
 from kvlab.labs.grading import SEED_STRIDE, Broken, Case, LabResult, grade, search
+from kvlab.sequence import RequestState, Sequence
 
 ChooseVictim = Callable[[list[Sequence]], Sequence]
 

@@ -24,6 +24,7 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.model.attention import group_attention
+from kvlab.model.kernel_args import pool_layer
 from kvlab.model.metadata import AttentionMetadata
 
 
@@ -38,7 +39,6 @@ def cpu_attention(
     """
     from kvlab.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention
     from kvlab.kernels.cpu_prefill import prefill_fits, prefill_pays
-    from kvlab.model.kernel_attention import pool_layer  # which imports this module
 
     out = torch.empty_like(q)
     stored = pool_layer(pool, layer)

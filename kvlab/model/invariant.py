@@ -1,6 +1,7 @@
 """Batch-invariant mode: a request's logits, bit for bit, whatever else the step holds.
 
     Engine(model, EngineConfig(batch_invariant=True))
+    ModelRunner(hf_model, InvariantAttention(), batch_invariant=True)  # a runner alone
 
 In fp32 a sum's rounding depends on the order of its terms. A kernel that picks its
 blocking by the shape of the whole batch (how many rows, how long the longest context)
@@ -80,17 +81,15 @@ class InvariantAttention:
         return invariant_attention(q, layer, pool, meta, scale)
 
 
-def make_batch_invariant(runner, kernels: bool = False) -> None:
-    """Switch `runner` (a ModelRunner) to batch-invariant mode: its linears and its
-    attention, on this runner only (the packed weights stay shared). `kernels`: attend
-    through the native CPU kernel where it runs (EngineConfig.attention="kernels")."""
-    if runner.device.type != "cpu":
+def invariant_linears(linear: Linears, device: torch.device) -> PaddedLinears:
+    """A runner's matmuls in batch-invariant mode (ModelRunner(..., batch_invariant=True));
+    ValueError off the CPU."""
+    if device.type != "cpu":
         raise ValueError(
             f"EngineConfig.batch_invariant=True runs on the CPU; the model is on "
-            f"{runner.device.type} (its GPU kernels choose splits by batch)"
+            f"{device.type} (its GPU kernels choose splits by batch)"
         )
-    runner.linear = PaddedLinears(runner.linear)
-    runner.attention_fn = InvariantAttention(kernels)
+    return PaddedLinears(linear)
 
 
-__all__ = ["ROW_TILE", "InvariantAttention", "PaddedLinears", "make_batch_invariant"]
+__all__ = ["ROW_TILE", "InvariantAttention", "PaddedLinears", "invariant_linears"]

@@ -126,7 +126,7 @@ def invariant_cpu_attention(
     kernels built, head_dim a multiple of 16 (kvlab.model.invariant.kernel_runs).
     """
     from kvlab.kernels import cpu_paged_prefill_attention_batch
-    from kvlab.model.kernel_attention import pool_layer
+    from kvlab.model.kernel_args import pool_layer
 
     stored = pool_layer(pool, layer)
     starts = F.pad(meta.last_token_index + 1, (1, 0))  # (B + 1,): each sequence's first row

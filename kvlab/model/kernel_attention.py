@@ -28,20 +28,8 @@ from kvlab.cache.pool import KVPool
 from kvlab.kernels.dispatch import CPU_CODECS
 from kvlab.model.attention import pooled_attention
 from kvlab.model.cpu_attention import cpu_attention
+from kvlab.model.kernel_args import KERNEL_CODECS, pool_layer
 from kvlab.model.metadata import AttentionMetadata
-
-KERNEL_CODECS = (None, "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
-SCALED = ("int8", "fp8_e4m3", "fp8_e5m2")
-
-
-def pool_layer(pool: KVPool, layer: int) -> dict:
-    """One layer's stored K/V (and scales) in the kernels' argument names."""
-    codec = pool.codec
-    k, v = codec.k_fields, codec.v_fields  # each [codes, scales?], (layers, slots, ...)
-    args = {"k_cache": k[0][layer], "v_cache": v[0][layer], "kv_codec": pool.kv_codec}
-    if pool.kv_codec in SCALED:
-        args.update(k_scale=k[1][layer], v_scale=v[1][layer])
-    return args
 
 
 def block_tables_from(meta: AttentionMetadata, block_size: int) -> torch.Tensor:

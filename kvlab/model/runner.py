@@ -78,7 +78,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class ModelRunner:
     """Runs the model on packed tokens; attention goes through `attention_fn`."""
 
-    def __init__(self, hf_model: torch.nn.Module, attention_fn: AttentionFn = pooled_attention):
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        attention_fn: AttentionFn = pooled_attention,
+        batch_invariant: bool = False,
+    ):
+        """`attention_fn`: kvlab.model.attention_chain builds the one an engine asks for;
+        `batch_invariant`: matmuls whose rows sum in an order fixed by the row alone
+        (kvlab.model.invariant)."""
         cfg = hf_model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: kvlab's MLP is SwiGLU (silu)")
@@ -102,6 +110,10 @@ class ModelRunner:
             fused = _FUSED[hf_model] = FusedModel([self._layer_weights(x) for x in base.layers])
         self.layers, self.linear = self._weights(fused)
         self.device, self.dtype = self.embed.device, self.embed.dtype
+        if batch_invariant:
+            from kvlab.model.invariant import invariant_linears
+
+            self.linear = invariant_linears(self.linear, self.device)
 
     def _weights(self, fused: FusedModel) -> tuple[list[LayerWeights], Linears]:
         """The layers this runner computes and their matmuls: the whole model's, the

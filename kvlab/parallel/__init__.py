@@ -17,4 +17,15 @@ shrinking (the embedded model: 9 query heads, 3 KV heads, tp in {1, 3, 9}).
 
 from kvlab.parallel.shard import check_tensor_parallel, kv_heads_per_rank
 
-__all__ = ["check_tensor_parallel", "kv_heads_per_rank"]
+
+def start_tensor_parallel(model, tp: int):
+    """Rank 0's handle on `tp` ranks running `model` (kvlab.parallel.worker.TensorParallel:
+    its `runner`, `attach(pool)` and `close()`), once the heads split evenly."""
+    from kvlab.parallel.worker import TensorParallel
+
+    cfg = model.config
+    check_tensor_parallel(tp, cfg.num_attention_heads, cfg.num_key_value_heads)
+    return TensorParallel(model, tp)
+
+
+__all__ = ["check_tensor_parallel", "kv_heads_per_rank", "start_tensor_parallel"]

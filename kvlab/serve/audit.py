@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvlab.engine.engine import Engine
+from kvlab.build import Engine
 
 
 def tenant_of(salt: str | None) -> str | None:

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from kvlab.engine.engine import Engine
+from kvlab.build import Engine
 from kvlab.engine.outputs import RequestOutput
-from kvlab.engine.sequence import RequestState, Sequence
+from kvlab.sequence import RequestState, Sequence
 from kvlab.serve.detokenize import TextStream
 from kvlab.serve.events import Accepted, Channel, Delta, Done, Failed
 from kvlab.serve.metrics import ServeMetrics

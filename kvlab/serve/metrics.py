@@ -190,7 +190,7 @@ class ServeMetrics:
             "cache_dtype": config.kv_codec or "auto",
             "kvlab_cache": config.cache,
             "kvlab_prefix_caching": config.prefix_caching,
-            "kvlab_admission": config.admission_policy,
+            "kvlab_admission": type(engine.cache).admission_of(config),
             "kvlab_preemption": config.preemption,
         }
         gauge = Gauge(

@@ -15,9 +15,9 @@ import threading
 
 import uvicorn
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
 from kvlab.engine.capacity import kv_capacity
-from kvlab.engine.engine import Engine
 from kvlab.serve.app import build_app
 from kvlab.serve.encoder import Encoder
 from kvlab.serve.limits import ServeLimits

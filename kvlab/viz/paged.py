@@ -8,8 +8,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB, ceil_div
 from kvlab.viz.app import App

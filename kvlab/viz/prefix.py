@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from kvlab.engine.engine import Prompt
+from kvlab.engine.requests import Prompt
 from kvlab.experiments.sharing import MODES, measure_sharing
 from kvlab.model.loading import LoadedModel
 from kvlab.viz.app import App

@@ -21,8 +21,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.engine.engine import Engine
 from kvlab.engine.scheduler import Event
 from kvlab.experiments import stress
 from kvlab.model.loading import LoadedModel

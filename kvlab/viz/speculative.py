@@ -1,7 +1,7 @@
 """Speculative decoding drawn: a block table through draft -> verify -> rollback, and the
 measurements of kvlab.experiments.speculative.
 
-- `describe_event`, `slot_states`: one verified row (a kvlab.spec.speculator.SpecEvent)
+- `describe_event`, `slot_states`: one verified row (a kvlab.speculative.speculator.SpecEvent)
   as a line of text and as the state of every slot at the table's tail.
 - `rollback_animation`: plotly frames, two per event: while verifying (the pending
   token and the drafts hold slots, some in blocks allocated for them) and after the
@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.spec.speculator import SpecEvent
+from kvlab.speculative.speculator import SpecEvent
 
 # Slot states, in the colour scale's order.
 STATES = ("empty", "verified", "pending", "accepted draft", "rejected draft", "returned")

@@ -31,7 +31,7 @@
 #   list only if no one else holds it (`ref_counts[block] == 1`); a block a fork shares
 #   (ref count > 1) stays with the other table.
 #
-# kvlab's rollback is `Speculator.rollback` (kvlab/spec/speculator.py), which calls
+# kvlab's rollback is `Speculator.rollback` (kvlab/speculative/speculator.py), which calls
 # `KVCache.rewind` and the paged cache's `_trim` (kvlab/cache/base.py, paged.py). kvlab
 # never forks a sequence with drafts in flight (its `_trim` refuses a shared block past the
 # kept tokens); a block manager that does (parallel sampling or beam search forked while

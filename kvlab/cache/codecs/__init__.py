@@ -22,10 +22,8 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.codecs.base import SCALE_DTYPE, KVCodec, StoredKV, TokenCodec
+from kvlab.cache.codecs.registry import CODECS
 from kvlab.cache.spec import KVSpec
-from kvlab.registry import Registry
-
-CODECS: Registry[type[KVCodec]] = Registry("KV codec", "kv_codec")
 
 # The built-in codecs register themselves on import, in this order (tables list them so).
 # isort: off

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.codecs import CODECS
 from kvlab.cache.codecs.base import Field, KVSpec, TokenCodec
+from kvlab.cache.codecs.registry import CODECS
 
 
 @CODECS.register(None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.codecs import CODECS
 from kvlab.cache.codecs.base import SCALE_DTYPE, Field, KVSpec, TokenCodec
 from kvlab.cache.codecs.quant import scale_for
+from kvlab.cache.codecs.registry import CODECS
 
 
 class Float8(TokenCodec):

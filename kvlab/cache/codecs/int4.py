@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.codecs import CODECS
 from kvlab.cache.codecs.base import SCALE_DTYPE, Field, KVSpec, TokenCodec
 from kvlab.cache.codecs.quant import group_size, pack, quantize_symmetric, unpack
+from kvlab.cache.codecs.registry import CODECS
 
 
 @CODECS.register("int4")

@@ -33,9 +33,9 @@ import math
 
 import torch
 
-from kvlab.cache.codecs import CODECS
 from kvlab.cache.codecs.base import SCALE_DTYPE, KVCodec, KVSpec, StoredKV
 from kvlab.cache.codecs.quant import group_size, pack, scale_for, unpack
+from kvlab.cache.codecs.registry import CODECS
 
 LEVELS = 3  # 2 bits: codes 0..3
 

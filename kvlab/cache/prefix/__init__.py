@@ -9,11 +9,8 @@ implementing `PrefixIndex`.
 from __future__ import annotations
 
 from kvlab.cache.prefix.base import PrefixIndex, PrefixMatch
-from kvlab.registry import Registry
-
-PREFIX_INDEXES: Registry[type[PrefixIndex]] = Registry("prefix index", "prefix_caching")
-
-from kvlab.cache.prefix.hash import HashPrefixIndex  # noqa: E402  (registers "hash")
-from kvlab.cache.prefix.radix import RadixPrefixIndex  # noqa: E402  (registers "radix")
+from kvlab.cache.prefix.hash import HashPrefixIndex  # registers "hash"
+from kvlab.cache.prefix.radix import RadixPrefixIndex  # registers "radix"
+from kvlab.cache.prefix.registry import PREFIX_INDEXES
 
 __all__ = ["PREFIX_INDEXES", "HashPrefixIndex", "PrefixIndex", "PrefixMatch", "RadixPrefixIndex"]

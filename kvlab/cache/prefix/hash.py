@@ -8,8 +8,8 @@ import hashlib
 
 import numpy as np
 
-from kvlab.cache.prefix import PREFIX_INDEXES
 from kvlab.cache.prefix.base import PrefixIndex, PrefixMatch
+from kvlab.cache.prefix.registry import PREFIX_INDEXES
 
 
 @PREFIX_INDEXES.register("hash")

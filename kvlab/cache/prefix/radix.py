@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvlab.cache.prefix import PREFIX_INDEXES
 from kvlab.cache.prefix.base import PrefixIndex, PrefixMatch
+from kvlab.cache.prefix.registry import PREFIX_INDEXES
 
 
 @dataclass(eq=False)

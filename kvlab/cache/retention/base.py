@@ -11,7 +11,7 @@ already holds them). Queries also keep their absolute positions.
 Only whole, computed blocks are dropped, never the block the next token is written to.
 A dropped block goes back to the allocator; if no other table holds it, it also leaves
 the prefix index, so a later prefix hit never lands on it. Attention metadata skips
-dropped blocks (kvlab.model.retained_metadata). A step's new tokens always see each
+dropped blocks (kvlab.model.metadata: build_retained_metadata). A step's new tokens always see each
 other: a policy acts between steps, so a prefill chunk of C tokens is held in full for
 the step that computes it (peak = kept + C tokens).
 

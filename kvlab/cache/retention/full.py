@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvlab.cache.retention import RETENTION
 from kvlab.cache.retention.base import RetentionPolicy
+from kvlab.cache.retention.registry import RETENTION
 
 
 @RETENTION.register("full")

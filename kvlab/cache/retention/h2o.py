@@ -6,7 +6,7 @@ attention so far; the rest are dropped, greedily and for good. The scores are th
 attention mass each physical block received, summed over layers, heads and each step's
 last `SCORED_ROWS` query rows (one row per decode; the end of a prefill chunk, like
 SnapKV's observation window), collected on the torch reference path by
-`kvlab.cache.retention.scores.ScoredAttention`. A block shared by several sequences
+`kvlab.model.scored_attention.ScoredAttention`. A block shared by several sequences
 collects everyone's attention.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.retention import RETENTION
 from kvlab.cache.retention.base import RetentionPolicy
+from kvlab.cache.retention.registry import RETENTION
 from kvlab.units import ceil_div
 
 

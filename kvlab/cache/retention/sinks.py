@@ -8,8 +8,8 @@ window, at a memory cost flat in the context length.
 
 from __future__ import annotations
 
-from kvlab.cache.retention import RETENTION
 from kvlab.cache.retention.base import RetentionPolicy
+from kvlab.cache.retention.registry import RETENTION
 from kvlab.units import ceil_div
 
 

@@ -9,8 +9,8 @@ makes the model lose its footing once they go (see sinks.py).
 
 from __future__ import annotations
 
-from kvlab.cache.retention import RETENTION
 from kvlab.cache.retention.base import RetentionPolicy
+from kvlab.cache.retention.registry import RETENTION
 from kvlab.units import ceil_div
 
 

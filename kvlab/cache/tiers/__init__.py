@@ -14,17 +14,14 @@ A new tier is one file with a `@TIERS.register("name")` class implementing `Tier
 
 from __future__ import annotations
 
-from kvlab.cache.tiers.base import Tier, TierStats
-from kvlab.registry import Registry
-
-TIERS: Registry[type[Tier]] = Registry("KV tier", "tiers.tiers")
-
 # isort: off
-from kvlab.cache.tiers.host import HostTier  # noqa: E402  (registers "host")
-from kvlab.cache.tiers.disk import DiskTier  # noqa: E402  (registers "disk")
-from kvlab.cache.tiers.policies import LOAD_POLICIES, WRITE_POLICIES  # noqa: E402
-from kvlab.cache.tiers.config import TierConfig  # noqa: E402
-from kvlab.cache.tiers.stack import TierStack  # noqa: E402
+from kvlab.cache.tiers.base import Tier, TierStats
+from kvlab.cache.tiers.registry import TIERS
+from kvlab.cache.tiers.host import HostTier  # registers "host"
+from kvlab.cache.tiers.disk import DiskTier  # registers "disk"
+from kvlab.cache.tiers.policies import LOAD_POLICIES, WRITE_POLICIES
+from kvlab.cache.tiers.config import TierConfig
+from kvlab.cache.tiers.stack import TierStack
 # isort: on
 
 __all__ = [

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlab.cache.tiers.policies import LOAD_POLICIES, WRITE_POLICIES
+from kvlab.cache.tiers.registry import TIERS
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -32,7 +35,6 @@ class TierConfig:
     load: str = "promote-on-hit"
 
     def __post_init__(self) -> None:
-        from kvlab.cache.tiers import LOAD_POLICIES, TIERS, WRITE_POLICIES
 
         if isinstance(self.tiers, str):
             self.tiers = (self.tiers,)

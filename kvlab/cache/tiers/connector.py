@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from kvlab.cache.base import KVCache
 from kvlab.cache.codecs import StoredKV
 from kvlab.cache.connector import ConnectorMeta, KVConnector
+from kvlab.cache.tiers.config import TierConfig
 from kvlab.cache.tiers.stack import TierStack
-from kvlab.engine.sequence import Note, Sequence
 from kvlab.integrity import require
-
-if TYPE_CHECKING:
-    from kvlab.cache.paged import PagedCache
+from kvlab.sequence import Note, Sequence
 
 
 @dataclass
@@ -33,10 +31,16 @@ class TransferStats:
     prefetched: int = 0  # blocks loaded up while their request waited
 
 
+def tier_connector(config: TierConfig):
+    """What PagedCache calls to make its connector: a TierConnector over the stack
+    `config` (a TierConfig) describes."""
+    return lambda cache: TierConnector(cache, TierStack.from_config(config))
+
+
 class TierConnector(KVConnector):
     """A KV connector over a `TierStack`, for the paged cache with the hash prefix index."""
 
-    def __init__(self, cache: PagedCache, stack: TierStack):
+    def __init__(self, cache: KVCache, stack: TierStack):
         self.cache, self.stack = cache, stack
         self.salts: dict[bytes, str | None] = {}  # key -> salt of device-indexed blocks
         self.transfers = TransferStats()

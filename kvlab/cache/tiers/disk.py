@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from kvlab.cache.codecs import StoredKV
-from kvlab.cache.tiers import TIERS
 from kvlab.cache.tiers.base import Entry, Key, TableTier
+from kvlab.cache.tiers.registry import TIERS
 from kvlab.integrity import require
 
 SUFFIX = ".kvblock"

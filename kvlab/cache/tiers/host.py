@@ -15,8 +15,8 @@ import time
 from collections import OrderedDict
 
 from kvlab.cache.codecs import StoredKV
-from kvlab.cache.tiers import TIERS
 from kvlab.cache.tiers.base import Entry, Key, TableTier
+from kvlab.cache.tiers.registry import TIERS
 from kvlab.integrity import require
 
 

@@ -8,10 +8,10 @@ already holds only refreshes its LRU position.
 from __future__ import annotations
 
 from kvlab.cache.codecs import StoredKV
-from kvlab.cache.tiers import LOAD_POLICIES, TIERS, WRITE_POLICIES
 from kvlab.cache.tiers.base import Key, Tier
 from kvlab.cache.tiers.config import TierConfig
-from kvlab.cache.tiers.policies import LoadPolicy, WritePolicy
+from kvlab.cache.tiers.policies import LOAD_POLICIES, WRITE_POLICIES, LoadPolicy, WritePolicy
+from kvlab.cache.tiers.registry import TIERS
 
 
 class TierStack:

@@ -38,8 +38,8 @@
 # running sets against kvlab's own `choose_victim`, the function its `Scheduler` calls.
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
-from kvlab.engine.sequence import Sequence
 from kvlab.labs import check_victim_choice, kvlab_victim, running_seq
+from kvlab.sequence import Sequence
 
 # %% [markdown]
 # ## The exercise

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from kvlab.cache.base import KVCache
-    from kvlab.engine.sequence import Sequence
+    from kvlab.config import SpeculativeConfig
     from kvlab.model.runner import ModelRunner
-    from kvlab.spec.config import SpeculativeConfig
+    from kvlab.sequence import Sequence
 
 
 class Proposer(ABC):

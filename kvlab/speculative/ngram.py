@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.engine.sequence import Sequence
-from kvlab.spec import PROPOSERS
-from kvlab.spec.base import Proposer
+from kvlab.sequence import Sequence
+from kvlab.speculative.base import Proposer
+from kvlab.speculative.registry import PROPOSERS
 
 
 def lookup(tokens: torch.Tensor, n_min: int, n_max: int, k: int) -> list[int]:

@@ -15,10 +15,10 @@ import copy
 
 import torch
 
-from kvlab.engine.sequence import Sequence
 from kvlab.model.metadata import build_attention_metadata
-from kvlab.spec import PROPOSERS
-from kvlab.spec.base import Proposer
+from kvlab.sequence import Sequence
+from kvlab.speculative.base import Proposer
+from kvlab.speculative.registry import PROPOSERS
 
 
 @PROPOSERS.register("layers")

@@ -12,16 +12,15 @@ ended at the next step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from kvlab.cache.base import KVCache
 from kvlab.cache.prefix.hash import HashPrefixIndex
-from kvlab.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvlab.engine.engine import Engine
+from kvlab.sequence import Sequence
 
 Prefix = tuple[tuple[int, ...], str | None]  # token ids, salt
+Cancel = Callable[[int], bool]  # cancels a request by id (Engine.cancel)
 
 
 @dataclass
@@ -73,48 +72,28 @@ class Sessions:
                 kept.append((tokens, seq.salt))
             record.prefixes = kept
 
-    def expire(self, engine: Engine, now: float) -> list[SessionEnd]:
+    def expire(self, now: float, cancel: Cancel, cache: KVCache) -> list[SessionEnd]:
         """End every session idle longer than the TTL."""
         if self.ttl_s is None:
             return []
         idle = [sid for sid, r in self.records.items()
                 if not r.live and now - r.last_active_s > self.ttl_s]  # fmt: skip
-        return [self.end(engine, sid, reason="ttl") for sid in idle]
+        return [self.end(sid, cancel, cache, reason="ttl") for sid in idle]
 
-    def end(self, engine: Engine, session_id: str, reason: str = "ended") -> SessionEnd:
+    def end(self, session_id: str, cancel: Cancel, cache: KVCache, reason: str = "ended"):
         """Cancel the session's unfinished requests and free its blocks on every tier."""
         if session_id not in self.records:
             raise ValueError(f"session_id={session_id!r} is unknown (or has ended already)")
-        cancelled = sum(engine.cancel(rid) for rid in sorted(self.records[session_id].live))
+        cancelled = sum(cancel(rid) for rid in sorted(self.records[session_id].live))
         record = self.records.pop(session_id)
-        freed: dict[str, int] = {"device": 0}
-        cache = engine.cache
-        if getattr(cache, "index", None) is not None:
-            keyer = HashPrefixIndex(cache.block_size)
-            keep = {
-                k
-                for r in self.records.values()
-                for t, s in r.prefixes
-                for k in keyer.keys(list(t), s)
-            }
-            connector = getattr(cache, "connector", None)
-            by_key = getattr(cache.index, "block_of", None)  # hash: every indexed key
-            for tokens, salt in record.prefixes:
-                keys = keyer.keys(list(tokens), salt)
-                blocks = [by_key.get(k) for k in keys] if by_key is not None else (
-                    cache.index.match(list(tokens), salt).blocks)  # fmt: skip
-                for i, key in enumerate(keys):
-                    if key in keep:
-                        continue
-                    block = blocks[i] if i < len(blocks) else None
-                    if block is not None and block in cache.allocator.cached:
-                        cache._forget(block)
-                        if block in cache.allocator.cached:
-                            cache.allocator.uncache(block)
-                        freed["device"] += 1
-                    if connector is not None:
-                        for tier in connector.discard(key):
-                            freed[tier] = freed.get(tier, 0) + 1
+        keyer = HashPrefixIndex(cache.block_size)
+        keep = {
+            key
+            for other in self.records.values()
+            for tokens, salt in other.prefixes
+            for key in keyer.keys(list(tokens), salt)
+        }
+        freed = cache.forget_prefixes(record.prefixes, keep)
         end = SessionEnd(session_id, freed, cancelled, reason)
         self.ended.append(end)
         return end

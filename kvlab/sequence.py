@@ -62,7 +62,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # engine clock per output token
     spec_room: int = 0
-    session: str | None = None  # the conversation it belongs to (kvlab.sessions)
+    session: str | None = None  # the conversation it belongs to (kvlab.engine.sessions)
     error: str | None = None  # finish_reason "error": what failed (kvlab.engine.isolation)
 
     def inherit(self, parent: Sequence) -> None:

@@ -15,16 +15,11 @@ the model's first layers, which reads and writes the target's own KV pool).
 
 from __future__ import annotations
 
-from kvlab.registry import Registry
-from kvlab.spec.base import Proposer
-
-PROPOSERS: Registry[type[Proposer]] = Registry("proposer", "speculative.method")
-
 # isort: off
-from kvlab.spec import ngram  # noqa: E402, F401
-from kvlab.spec import layers  # noqa: E402, F401
+from kvlab.speculative.base import Proposer
+from kvlab.speculative.registry import PROPOSERS
+from kvlab.speculative import ngram  # noqa: F401  (registers "ngram")
+from kvlab.speculative import layers  # noqa: F401  (registers "layers")
 # isort: on
 
-from kvlab.spec.config import SpeculativeConfig  # noqa: E402
-
-__all__ = ["PROPOSERS", "Proposer", "SpeculativeConfig"]
+__all__ = ["PROPOSERS", "Proposer"]

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache.base import KVCache
-from kvlab.engine.sequence import Sequence
-from kvlab.spec import PROPOSERS
-from kvlab.spec.config import SpeculativeConfig
-from kvlab.spec.verify import accept
+from kvlab.config import SpeculativeConfig
+from kvlab.sequence import Sequence
+from kvlab.speculative.registry import PROPOSERS
+from kvlab.speculative.verify import accept
 
 
 @dataclass

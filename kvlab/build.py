@@ -1,0 +1,77 @@
+"""The engine, assembled: `Engine(model, config)` builds every part from the config once
+and hands them to the engine core (kvlab.engine.core.EngineCore).
+
+    engine = Engine(load_model(), EngineConfig(cache="paged", prefix_caching="hash"))
+
+The parts, in the order they are made (each needs the ones before it):
+
+1. the config's registered names are checked (a bad one raises ValueError, nothing built);
+2. the runner: the model's forward in this process, or rank 0 of `tensor_parallel_size`
+   processes (kvlab.parallel), whose pool every rank mirrors;
+3. the cache over its pool, with its allocator, prefix index, admission policy,
+   retention policy and tier connector (kvlab.cache);
+4. the attention the runner calls: the torch reference, the kernels or batch-invariant
+   attention, observed by a retention policy that scores blocks (kvlab.model);
+5. the speculator, if the config drafts tokens (kvlab.speculative).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from kvlab.cache import make_cache
+from kvlab.config import EngineConfig
+from kvlab.engine.core import EngineCore
+from kvlab.engine.parts import EngineParts, max_model_len_of
+from kvlab.model.attention_chain import build_attention
+from kvlab.model.loading import LoadedModel
+from kvlab.model.runner import ModelRunner, kv_spec_of
+
+
+class Engine(EngineCore):
+    """Serves requests on one model with one KV-cache design (see kvlab.engine.core for
+    what it does, and this module for what it is made of)."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        parts = build_parts(model, config)
+        super().__init__(model, config, parts)
+        weakref.finalize(self, parts.close)  # tensor-parallel workers stop at exit
+
+
+def build_parts(model: LoadedModel, config: EngineConfig) -> EngineParts:
+    """Every part an engine on `model` with `config` runs on (see the module docstring)."""
+    if config.speculative is not None:
+        from kvlab.speculative import PROPOSERS
+
+        PROPOSERS[config.speculative.method]  # its error names the field and the choices
+    max_model_len = max_model_len_of(model.config, config)
+    hf = model.hf_model
+    if config.tensor_parallel_size > 1:
+        from kvlab.parallel import start_tensor_parallel
+
+        parallel = start_tensor_parallel(model, config.tensor_parallel_size)
+        runner, attach, close = parallel.runner, parallel.attach, parallel.close
+        spec = runner.kv_spec
+    else:
+        parallel, runner, attach, close = None, None, None, (lambda: None)
+        spec = kv_spec_of(hf.config)
+    embedding = hf.get_input_embeddings().weight
+    try:
+        cache = make_cache(config, spec, embedding.dtype, embedding.device, max_model_len, attach)
+    except BaseException:
+        close()
+        raise
+    if runner is None:
+        retention = getattr(cache, "retention", None)  # H2O scores what attention reads
+        scores = retention.scores if retention and retention.observes_attention else None
+        attention = build_attention(config, cache.block_size, scores)
+        runner = ModelRunner(hf, attention, batch_invariant=config.batch_invariant)
+    parts = EngineParts(runner, cache, max_model_len, parallel=parallel, close=close)
+    if config.speculative is not None:
+        from kvlab.speculative.speculator import Speculator
+
+        parts.speculator = Speculator(
+            config.speculative, runner, cache, max_model_len, record=config.record_block_map
+        )
+    return parts
