@@ -10,7 +10,7 @@ from conftest import hf_greedy
 
 import kvlab
 from kvlab.cache.pool import KVPool
-from kvlab.experiments.determinism import ALONE, Setting, compare, matmul_rows, run
+from kvlab.experiments.determinism import ALONE, Setting, compare_steps, matmul_rows, run
 from kvlab.model.invariant import InvariantAttention, PaddedLinears, kernel_runs
 from kvlab.model.invariant_attention import group_invariant, invariant_attention
 from kvlab.model.linear import Linears
@@ -36,7 +36,7 @@ def prompts_of(model, count: int) -> list[list[int]]:
 
 def differing(reference, answers) -> int:
     """Steps, over all prompts, whose logits are not the reference's bits."""
-    frame = compare(reference, answers)
+    frame = compare_steps(reference, answers)
     return int((frame["steps"] - frame["bit_exact"]).sum())
 
 

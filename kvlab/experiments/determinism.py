@@ -3,7 +3,7 @@ other settings, every generated token's logits recorded and compared bit for bit
 
     alone = run(model, prompts, ALONE)
     other = run(model, prompts, Setting("batch of 16", batch=16))
-    compare(alone, other)   # per prompt: bit-equal steps, the token where they part, the gap
+    compare_steps(alone, other)   # per prompt: bit-equal steps, the token where they part, the gap
 
 A setting is how a prompt meets the engine: with how many others in its steps, its
 prompt cut in chunks, its prefix found in the cache, on how many threads, and in
@@ -121,7 +121,9 @@ def run(
     return answers
 
 
-def compare(reference: list[list[Step]], other: list[list[Step]], tokenizer=None) -> pd.DataFrame:
+def compare_steps(
+    reference: list[list[Step]], other: list[list[Step]], tokenizer=None
+) -> pd.DataFrame:
     """One row per prompt: steps whose logits are the same bits (up to the first parting),
     where the answers part (None: never), the tokens there and the reference's logit gap
     between them (its margin for the token it chose), and the largest change among the
@@ -158,13 +160,14 @@ def drift(
     base: dict | None = None,
     companions: list[list[int]] = (),
 ) -> pd.DataFrame:
-    """`compare` of every setting against ALONE (same base), one frame: a column
+    """`compare_steps` of every setting against ALONE (same base), one frame: a column
     `setting` names it."""
     reference = run(model, prompts, ALONE, new_tokens, base)
     frames = []
     for setting in settings:
         answers = run(model, prompts, setting, new_tokens, base, companions)
-        frames.append(compare(reference, answers, model.tokenizer).assign(setting=setting.name))
+        frame = compare_steps(reference, answers, model.tokenizer)
+        frames.append(frame.assign(setting=setting.name))
     return pd.concat(frames, ignore_index=True)
 
 
