@@ -9,36 +9,20 @@ without and with EngineConfig(batch_invariant=True): four systems, their order r
 every other round. Prints JSON: per workload and system, output tok/s of every round
 (median, min, max, spread = (max - min) / median), the batch-invariant over default
 ratio per attention (of the medians, and the median of the per-round ratios), whether
-the greedy tokens agree, and the machine (CPU model and vector flags), date and command.
+the greedy tokens agree, and the load average before and after. benchmarks/stamp.py adds
+the machine's CPU, date and command to a saved run.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
-import sys
-
-from kvlab.kernels.cpu_build import cpu_flags
 
 from kvlab import workloads
 from kvlab.experiments.bench import run_bench
 from kvlab.experiments.scripts import load, machine, report, script_parser
 
 ATTENTION = {"torch": "paged+prefix", "kernels": "paged+prefix+kernels"}
-
-
-def cpu_name() -> str:
-    """The CPU's model and vector instructions, e.g. "AMD EPYC, 2 cores, AVX2+FMA, no AVX-512"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.partition(":")[2].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    flags = cpu_flags()
-    vectors = "+".join(x.upper() for x in ("avx2", "fma") if x in flags) or "no AVX2"
-    wide = "AVX-512" if "avx512f" in flags else "no AVX-512"
-    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores, {vectors}, {wide}"
 
 
 def summary(result) -> dict:
@@ -87,10 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     configs = [c for config in ATTENTION.values() for c in (config, f"{config}+invariant")]
     out = {
         "machine": machine(model),
-        "cpu": cpu_name(),
         "model": model.name,
-        "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/batch_invariant.py " + " ".join(argv or sys.argv[1:]),
         "rounds": rounds,
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "workloads": {},

@@ -3,9 +3,10 @@
     python benchmarks/drift.py [--prompts 16] [--new-tokens 32] [--kv-codec int8] [--out F]
     python benchmarks/drift.py --quick --model PATH   # 2 prompts, 4 tokens, seconds
 
-Each prompt (the chat prompts, through the chat template) runs alone on 2 threads, then
-in each setting (kvlab.experiments.determinism): in a batch of 16, its prompt in chunks
-of 16 tokens, from a warm prefix cache, alone on 1 thread; in the default mode and with
+Each prompt (the chat prompts, through the chat template) runs alone on `--threads`
+(default 2), then in each setting (kvlab.experiments.determinism): in a batch of 16, its
+prompt in chunks of 16 tokens, from a warm prefix cache, alone on the other thread count
+(1 for 2, 2 for 1); in the default mode and with
 EngineConfig(batch_invariant=True), on the torch and the kernels attention. Prints JSON:
 per mode and setting, how many prompts' answers part from their answer alone and how
 many steps' logits are not the same bits; per parting prompt, the token where it parts,
@@ -14,21 +15,24 @@ what was chosen before and after, and the alone run's logit gap between the two.
 
 from __future__ import annotations
 
-import datetime
-import sys
-
 from kvlab import texts
 from kvlab.experiments.determinism import Setting, drift
 from kvlab.experiments.scripts import load, machine, report, script_parser
 from kvlab.model.prompts import encode_prompt
 
 CHUNKED = {"chunked_prefill": True, "max_num_batched_tokens": 16}
-SETTINGS = [
-    Setting("batch of 16", batch=16),
-    Setting("chunks of 16", CHUNKED),
-    Setting("warm prefix", {"prefix_caching": "hash"}, warm=True),
-    Setting("1 thread", threads=1),
-]
+
+
+def settings(threads: int) -> list[Setting]:
+    """What differs from running alone on `threads` threads, one thing at a time."""
+    return [
+        Setting("batch of 16", batch=16),
+        Setting("chunks of 16", CHUNKED),
+        Setting("warm prefix", {"prefix_caching": "hash"}, warm=True),
+        Setting("other thread count", threads=2 if threads == 1 else 1),
+    ]
+
+
 MODES = {  # name: engine overrides
     "default": {},
     "batch-invariant": {"batch_invariant": True},
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-codec", help="how K/V are stored (e.g. int8); default fp32")
     parser.add_argument("--modes", help=f"comma-separated, of {list(MODES)}; default all")
     args = parser.parse_args(argv)
-    args.threads = args.threads or 2  # the reference; one setting runs on 1 thread
+    args.threads = args.threads or 2  # the reference's; one setting runs on the other count
     model = load(args)
     count = args.prompts or (2 if args.quick else 16)
     new_tokens = args.new_tokens or (4 if args.quick else 32)
@@ -54,8 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {
         "machine": machine(model),
         "model": model.name,
-        "date": datetime.date.today().isoformat(),
-        "command": "python benchmarks/drift.py " + " ".join(argv or sys.argv[1:]),
+        "reference_threads": args.threads,
         "kv_codec": args.kv_codec,
         "prompts": count,
         "new_tokens": new_tokens,
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for mode in modes:
         base = {**MODES[mode], "kv_codec": args.kv_codec}
-        frame = drift(model, prompts, SETTINGS, new_tokens, base, companions)
+        frame = drift(model, prompts, settings(args.threads), new_tokens, base, companions)
         summary = {}
         for name, rows in frame.groupby("setting", sort=False):
             parted = rows[rows["parts_at"].notna()]
