@@ -6,6 +6,7 @@ import pytest
 from conftest import small_engine
 
 import kvlab
+from kvlab.build import check_config
 
 
 @pytest.mark.parametrize(
@@ -14,7 +15,7 @@ import kvlab
         (lambda: kvlab.SamplingParams(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
         (lambda: kvlab.SamplingParams(max_new_tokens=-3), "max_new_tokens=-3"),
         (lambda: kvlab.SamplingParams(top_p=0), "top_p=0"),
-        (lambda: kvlab.EngineConfig(cache="bogus"), "cache='bogus' is unknown"),
+        (lambda: check_config(kvlab.EngineConfig(cache="bogus")), "cache='bogus' is unknown"),
         (lambda: kvlab.EngineConfig(kv_budget_tokens=0), "kv_budget_tokens=0 must be > 0"),
         (lambda: kvlab.EngineConfig(kv_budget_tokens=8, kv_budget_bytes=8), "not both"),
     ],

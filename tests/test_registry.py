@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import kvlab
+from kvlab.build import check_config
 from kvlab.cache import PREFIX_INDEXES
 from kvlab.cache.codecs import CODECS, TokenCodec
 from kvlab.cache.prefix import PrefixIndex, PrefixMatch
 from kvlab.experiments.compare import compare
-from kvlab.experiments.configs import parse_config
 from kvlab.planner import ModelShape, kv_bytes_per_token, kv_formats
+from kvlab.presets import parse_config
 from kvlab.workloads import Request
 
 
@@ -105,7 +106,7 @@ def test_a_new_codec_and_index_run_through_engine_compare_and_planner(registered
 
 def test_unknown_names_list_what_is_registered():
     with pytest.raises(ValueError, match=r"prefix_caching='lru' is unknown; choose one of .*radix"):
-        kvlab.EngineConfig(cache="paged", prefix_caching="lru")
+        check_config(kvlab.EngineConfig(cache="paged", prefix_caching="lru"))
     with pytest.raises(ValueError, match="unknown option 'int3'"):
         parse_config("paged+int3")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvlab
+from kvlab.build import check_config
 from kvlab.cache.pool import KVPool
 from kvlab.cache.retention import DROPPED, RETENTION
 from kvlab.cache.retention.h2o import HeavyHitterRetention
@@ -56,14 +57,14 @@ def test_h2o_keeps_the_most_attended_older_blocks():
         (dict(retention="lru"), "retention='lru' is unknown"),
         (dict(retention="window", retention_window=0), "retention_window=0"),
         (dict(retention="sinks", retention_sinks=-1), "retention_sinks=-1"),
-        (dict(retention="window", cache="naive"), "needs cache='paged'"),
+        (dict(retention="window", cache="naive"), "needs cache='paged'"),  # at once
         (dict(retention="sinks", cache="paged", preemption="swap"), "needs preemption"),
         (dict(retention="h2o", cache="paged", attention="kernels"), "needs attention"),
     ],
 )
 def test_bad_retention_configs_raise(fields, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**fields)
+        check_config(EngineConfig(**{"cache": "paged", **fields}))
 
 
 def test_full_retention_is_token_identical(tiny_model):

@@ -7,6 +7,7 @@ import torch
 
 import kvlab
 from kvlab import EngineConfig, SamplingParams
+from kvlab.build import check_config
 from kvlab.cache.codecs import CODECS
 from kvlab.config import SpeculativeConfig
 from kvlab.speculative import PROPOSERS
@@ -64,7 +65,6 @@ def test_registered_proposers():
 @pytest.mark.parametrize(
     "bad, field",
     [
-        (dict(method="nope"), "speculative.method"),
         (dict(num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),
         (dict(draft_layers=0), "draft_layers"),
@@ -75,6 +75,12 @@ def test_bad_speculative_configs_name_the_field(bad, field):
         SpeculativeConfig(**bad)
     with pytest.raises(ValueError, match=field):
         EngineConfig(speculative=bad)
+
+
+def test_an_unknown_proposer_is_named_before_an_engine_is_built():
+    config = EngineConfig(speculative={"method": "nope"})  # the registry is the engine's
+    with pytest.raises(ValueError, match="speculative.method='nope' is unknown"):
+        check_config(config)
 
 
 def test_speculative_config_from_a_dict():

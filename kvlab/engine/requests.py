@@ -65,8 +65,8 @@ class RequestAPI:
             )
         if params.n > 1 and not self.cache.forks:
             raise ValueError(
-                f"SamplingParams.n={params.n} > 1 needs a cache whose sequences fork "
-                f"(cache='paged'); cache={self.config.cache!r} does not"
+                f"SamplingParams.n={params.n} > 1 needs EngineConfig(cache='paged'), a cache "
+                f"whose sequences fork; cache={self.config.cache!r} does not"
             )
         if params.n > self.config.max_num_seqs:
             raise ValueError(
