@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 
 from kvlab.cache import make_cache
+from kvlab.cache.events import EventSink
 from kvlab.config import EngineConfig
 from kvlab.engine.core import EngineCore
 from kvlab.engine.parts import EngineParts, max_model_len_of
@@ -32,14 +33,23 @@ class Engine(EngineCore):
     """Serves requests on one model with one KV-cache design (see kvlab.engine.core for
     what it does, and this module for what it is made of)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        kv_events: EventSink | None = None,
+    ):
+        """`kv_events`: a sink the cache reports its stored and removed blocks to
+        (kvlab.cache.events; `kvlab serve --kv-events-config` publishes them)."""
         config = config or EngineConfig()
-        parts = build_parts(model, config)
+        parts = build_parts(model, config, kv_events)
         super().__init__(model, config, parts)
         weakref.finalize(self, parts.close)  # tensor-parallel workers stop at exit
 
 
-def build_parts(model: LoadedModel, config: EngineConfig) -> EngineParts:
+def build_parts(
+    model: LoadedModel, config: EngineConfig, kv_events: EventSink | None = None
+) -> EngineParts:
     """Every part an engine on `model` with `config` runs on (see the module docstring)."""
     if config.speculative is not None:
         from kvlab.speculative import PROPOSERS
@@ -58,7 +68,9 @@ def build_parts(model: LoadedModel, config: EngineConfig) -> EngineParts:
         spec = kv_spec_of(hf.config)
     embedding = hf.get_input_embeddings().weight
     try:
-        cache = make_cache(config, spec, embedding.dtype, embedding.device, max_model_len, attach)
+        cache = make_cache(
+            config, spec, embedding.dtype, embedding.device, max_model_len, attach, kv_events
+        )
     except BaseException:
         close()
         raise

@@ -21,6 +21,7 @@ ScheduleOrder = Literal["prefill-first", "decode-first"]
 Admission = Literal["reserve", "watermark"]
 Preemption = Literal["recompute", "swap"]
 AttentionBackend = Literal["torch", "kernels"]
+PrefixHashAlgo = Literal["blake2b", "sha256_cbor"]
 
 # Default KV budget when neither kv_budget_bytes nor kv_budget_tokens is given:
 # four sequences of 8k tokens, ~1.4 GiB for SmolLM2-135M in fp32.
@@ -43,6 +44,13 @@ class EngineConfig:
         block_size: token slots per block of the paged cache.
         prefix_caching: None, "hash" (chained hashes of full blocks, as vLLM) or "radix"
             (a radix tree over token ids, token-granular matching, as SGLang); paged only.
+        prefix_caching_hash_algo: how the hash index keys a block: "blake2b" (kvlab's own
+            chained keys) or "sha256_cbor" (vLLM's `--prefix-caching-hash-algo
+            sha256_cbor`: the same block hashes as vLLM for the same token ids, block size
+            and salt, so a router or another engine can read kvlab's KV events).
+        prefix_caching_hash_seed: the seed of the first block's parent hash (vLLM's
+            NONE_HASH seed: its PYTHONHASHSEED, else "vllm-none-hash", which None means
+            for sha256_cbor); engines whose seeds differ share no block hash.
         max_model_len: longest sequence (prompt + output) in tokens; defaults to the
             model's max_position_embeddings, capped at 8192.
         kv_budget_bytes: KV memory budget in bytes (at most one of the two budget fields).
@@ -107,6 +115,8 @@ class EngineConfig:
     cache: str = "naive"  # a name in kvlab.cache.CACHES
     block_size: int = 16
     prefix_caching: str | None = None
+    prefix_caching_hash_algo: PrefixHashAlgo = "blake2b"
+    prefix_caching_hash_seed: str | None = None
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
     kv_budget_tokens: int | None = None
@@ -139,6 +149,7 @@ class EngineConfig:
             ("schedule_order", ScheduleOrder),
             ("preemption", Preemption),
             ("attention", AttentionBackend),
+            ("prefix_caching_hash_algo", PrefixHashAlgo),
         ):
             value = getattr(self, name)
             _require(
@@ -163,6 +174,13 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             _require(value > 0, f"EngineConfig.{name}={value} must be > 0")
+        if (self.prefix_caching_hash_algo, self.prefix_caching_hash_seed) != ("blake2b", None):
+            _require(
+                self.prefix_caching == "hash",
+                f"EngineConfig.prefix_caching_hash_algo={self.prefix_caching_hash_algo!r} and "
+                f"prefix_caching_hash_seed={self.prefix_caching_hash_seed!r} need "
+                f"prefix_caching='hash'; got {self.prefix_caching!r}",
+            )
         self._check_tensor_parallel()
         self._check_retention()
         self._check_tiers()

@@ -14,6 +14,8 @@ guards:
     forks             `fork(parent, child)`: n > 1 samples share the prompt's blocks
     swaps             `swap_out`, `can_swap_in`, `swap_in`: swap preemption
     admissions        the EngineConfig.admission policies it implements, its default first
+    emits_events      `from_config(..., events=sink)`: its prefix index reports what it
+                      stores and removes (kvlab.cache.events, vLLM's KV events)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class KVCache(ABC):
     shares_prefixes: ClassVar[bool] = False
     forks: ClassVar[bool] = False
     swaps: ClassVar[bool] = False
+    emits_events: ClassVar[bool] = False
     admissions: ClassVar[tuple[str, ...]] = ("reserve",)
 
     def __init__(self, pool: KVPool, block_size: int, max_model_len: int, poison_freed: bool):

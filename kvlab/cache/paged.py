@@ -32,7 +32,7 @@ from kvlab.units import ceil_div
 
 @CACHES.register("paged")
 class PagedCache(PrefixSharing, SwapAndRetention, KVCache):
-    shares_prefixes = forks = swaps = True
+    shares_prefixes = forks = swaps = emits_events = True
     admissions = ("watermark", "reserve")  # the first is the default, as vLLM
 
     def __init__(
@@ -71,8 +71,14 @@ class PagedCache(PrefixSharing, SwapAndRetention, KVCache):
         return "block_size", config.block_size
 
     @classmethod
-    def from_config(cls, config, pool: KVPool, max_model_len: int) -> PagedCache:
-        index = config.prefix_caching and PREFIX_INDEXES[config.prefix_caching](config.block_size)
+    def from_config(cls, config, pool: KVPool, max_model_len: int, events=None) -> PagedCache:
+        """`events`: a kvlab.cache.events.EventSink the prefix index reports to (KV events;
+        it needs prefix_caching="hash")."""
+        if events is not None and not config.prefix_caching:
+            raise ValueError("KV events need prefix caching: set prefix_caching='hash'")
+        index = config.prefix_caching and PREFIX_INDEXES[config.prefix_caching].from_config(
+            config, events
+        )
         watermark = config.watermark if cls.admission_of(config) == "watermark" else None
         num_blocks = pool.num_slots // config.block_size
         retention = RETENTION[config.retention].from_config(config, num_blocks)

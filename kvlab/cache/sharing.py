@@ -133,6 +133,23 @@ class PrefixSharing:
             if orphan in self.allocator.cached:
                 self.allocator.uncache(orphan)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's reset_prefix_cache: only when no request
+        holds a block (False otherwise, nothing changed). The index reports one
+        AllBlocksCleared, not a removal per block; tier copies stay."""
+        if self.index is None or self.allocator.num_used:
+            return False
+        self.unwritten.clear()
+        if hasattr(self.index, "clear"):
+            self.index.clear()
+        else:
+            for block in list(self.allocator.cached):
+                if block in self.index:  # not an orphan of one removed before
+                    self.index.remove(block)
+        for block in list(self.allocator.cached):
+            self.allocator.uncache(block)
+        return True
+
     def forget_prefixes(self, prefixes: list[tuple], keep: set[bytes]) -> dict[str, int]:
         """Free the cached blocks holding `prefixes` ((tokens, salt) pairs) on the device and
         delete their copies in every tier, but the blocks whose chained key is in `keep`
@@ -140,7 +157,7 @@ class PrefixSharing:
         freed: dict[str, int] = {"device": 0}
         if self.index is None:
             return freed
-        keyer = HashPrefixIndex(self.block_size)
+        keyer = self.index if hasattr(self.index, "keys") else HashPrefixIndex(self.block_size)
         by_key = getattr(self.index, "block_of", None)  # hash: every indexed key
         for tokens, salt in prefixes:
             keys = keyer.keys(list(tokens), salt)

@@ -146,6 +146,19 @@ def build_app(
         reason = loop.dead or "the engine loop is not running"
         return error_response(f"the engine cannot go on: {reason}", 503)
 
+    @app.post("/reset_prefix_cache", include_in_schema=False)
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's route (its dev mode): forget every cached block when no request holds
+        one; KV events report AllBlocksCleared. 409 while requests hold blocks."""
+        if tenants.required and tenants.authenticate(request.headers.get("authorization")) is None:
+            return error_response("a valid API key is required (Authorization: Bearer)", 401)
+        reset = getattr(loop.engine.cache, "reset_prefix_cache", None)
+        if reset is None:
+            return error_response("this engine's cache keeps no prefix cache", 400)
+        if not await asyncio.wrap_future(loop.call(lambda engine: reset())):
+            return error_response("requests hold blocks: the prefix cache was not reset", 409)
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def metrics_page() -> Response:
         body, content_type = metrics.render()

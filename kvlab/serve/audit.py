@@ -24,8 +24,15 @@ from kvlab.build import Engine
 
 
 def tenant_of(salt: str | None) -> str | None:
-    """The tenant part of an engine salt made by `engine_salt` (None: no tenant)."""
-    return None if salt is None else json.loads(salt)[0]
+    """The tenant part of an engine salt made by `engine_salt` (None: no tenant; an open
+    server's salt is the request's cache_salt itself)."""
+    if salt is None or not salt.startswith("["):
+        return None
+    try:
+        pair = json.loads(salt)
+    except ValueError:
+        return None
+    return pair[0] if isinstance(pair, list) and len(pair) == 2 else None
 
 
 @dataclass

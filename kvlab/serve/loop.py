@@ -60,9 +60,12 @@ class Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServeMetrics | None = None):
+    def __init__(self, engine: Engine, metrics: ServeMetrics | None = None, kv_events=None):
+        """`kv_events`: the engine's KV event sink (kvlab.serve.kv_events), told after each
+        step and each command that the events so far form a batch."""
         self.engine = engine
         self.metrics = metrics
+        self.kv_events = kv_events
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tracked: dict[int, Tracked] = {}  # request id -> request
         self.by_channel: dict[int, int] = {}  # id(channel) -> request id
@@ -102,6 +105,7 @@ class EngineLoop:
         while not self._stopping:
             busy = self.dead is None and self.engine.has_unfinished()
             self._take_commands(block=not busy)
+            self._end_events()
             if self._stopping or self.dead or not self.engine.has_unfinished():
                 continue
             started = self.engine.clock()
@@ -111,8 +115,13 @@ class EngineLoop:
                 self._die(error)
                 continue
             self.steps += 1
+            self._end_events()
             self._deliver(finished, started)
             self._trim()
+
+    def _end_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.end_step()
 
     def _take_commands(self, block: bool) -> None:
         try:

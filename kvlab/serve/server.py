@@ -20,6 +20,7 @@ from kvlab.config import EngineConfig
 from kvlab.engine.capacity import kv_capacity
 from kvlab.serve.app import build_app
 from kvlab.serve.encoder import Encoder
+from kvlab.serve.kv_events import KVEventPublisher
 from kvlab.serve.limits import ServeLimits
 from kvlab.serve.loop import EngineLoop
 from kvlab.serve.metrics import ServeMetrics
@@ -60,11 +61,15 @@ class Server:
         model_name: str | None = None,
         tenants: Tenants | None = None,
         limits: ServeLimits | None = None,
+        kv_events: KVEventPublisher | None = None,
     ):
+        """`kv_events`: the publisher the engine was built with (Engine(..., kv_events=));
+        the server batches its events per step and closes it when it stops."""
         self.engine = engine
         self.model_name = model_name or engine.model.name
         self.metrics = ServeMetrics(self.model_name, engine)
-        self.loop = EngineLoop(engine, self.metrics)
+        self.kv_events = kv_events
+        self.loop = EngineLoop(engine, self.metrics, kv_events)
         self.encoder = Encoder(engine.tokenizer)
         self.app = build_app(
             self.loop, self.metrics, self.model_name, self.encoder, tenants, limits
@@ -73,6 +78,15 @@ class Server:
     def log_startup(self) -> None:
         for line in kv_capacity(self.engine).lines():
             log.info(line)
+        if self.kv_events is not None:
+            log.info("KV events: publishing on %s", self.kv_events.endpoint)
+
+    def close(self) -> None:
+        """Stop the engine loop, the encoder and the KV event publisher."""
+        self.loop.stop()
+        self.encoder.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
         """Serve until interrupted (Ctrl-C)."""
@@ -80,8 +94,7 @@ class Server:
         try:
             uvicorn.run(self.app, host=host, port=port, log_level=log_level)
         finally:
-            self.loop.stop()
-            self.encoder.close()
+            self.close()
 
 
 def free_socket(host: str = "127.0.0.1") -> socket.socket:
@@ -127,8 +140,7 @@ class ServerThread:
     def stop(self) -> None:
         self.uvicorn.should_exit = True
         self._thread.join(10)
-        self.server.loop.stop()
-        self.server.encoder.close()
+        self.server.close()
         self.socket.close()
 
     def __enter__(self) -> ServerThread:

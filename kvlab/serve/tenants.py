@@ -72,7 +72,10 @@ class Tenants:
 
 def engine_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     """The engine's cache namespace of a request: None (the shared cache) without tenant
-    and cache_salt; otherwise a string no other (tenant, cache_salt) pair yields."""
-    if tenant is None and cache_salt is None:
-        return None
+    and cache_salt; the cache_salt itself without a tenant (an open server, as vLLM: its
+    block hashes then equal vLLM's for the same cache_salt); otherwise a string no other
+    (tenant, cache_salt) pair yields. A keyed server gives every request a tenant, so no
+    cache_salt there can spell a tenant's salt."""
+    if tenant is None:
+        return cache_salt
     return json.dumps([tenant, cache_salt])

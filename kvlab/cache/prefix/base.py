@@ -23,9 +23,21 @@ class PrefixMatch:
 class PrefixIndex(ABC):
     name: str | None = None  # set by PREFIX_INDEXES.register
     token_granular: bool = False  # match() may return a partial block to copy from
+    emits_events: bool = False  # reports stores and removals to an event sink (KV events)
 
     def __init__(self, block_size: int):
         self.block_size = block_size
+
+    @classmethod
+    def from_config(cls, config, events=None) -> PrefixIndex:
+        """The index an EngineConfig describes; `events`: a kvlab.cache.events.EventSink
+        (only an index that `emits_events` takes one)."""
+        if events is not None:
+            raise ValueError(
+                f"KV events need prefix_caching='hash' (prefix_caching={cls.name!r} "
+                "reports no block hashes)"
+            )
+        return cls(config.block_size)
 
     @abstractmethod
     def match(self, tokens: list[int], salt: str | None) -> PrefixMatch:
