@@ -3,7 +3,7 @@
     python benchmarks/cpu_kernels.py [--threads 2]
     python benchmarks/cpu_kernels.py --quick   # small shapes, seconds
 
-Prints JSON (kvlab.experiments.cpu_kernels):
+Prints JSON (kvlab.checks.cpu_kernels):
   prompt   for each (cached P, new Q) of a doc-QA-like step: one layer's prompt attention
            through the C prompt kernel and through the torch reference (causal
            scaled_dot_product_attention, or its masked call after a prefix), ms and

@@ -8,8 +8,8 @@
 It needs only torch, triton and transformers, and this checkout's kvlab (installed or
 not: the kernels are then loaded from ../kernels by path). The engine part also imports
 kvlab's other dependencies (pandas, tqdm: in most images); without them that part records
-its error and the others still run. The measuring is kvlab.experiments.kernel_check's and
-kvlab.experiments.gpu_check's.
+its error and the others still run. The measuring is kvlab.checks.kernel_check's and
+kvlab.checks.gpu_check's.
 
 1. Correctness at full size: every kernel against its torch reference (max abs error per
    codec and dtype; KV writes bit for bit).
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available() and not args.quick:
         parser.error("no CUDA device here: use --quick for the CPU smoke run")
     load_kernels()
-    from kvlab.experiments.gpu_check import gpu_report
+    from kvlab.checks.gpu_check import gpu_report
 
     report = gpu_report(args.quick, args.model, args.budget_s)
     out = args.out or (

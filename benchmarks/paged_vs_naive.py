@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from kvlab import workloads
 from kvlab.experiments.compare import compare
-from kvlab.experiments.configs import model_bytes_per_token
-from kvlab.experiments.peers import hf_generate
 from kvlab.experiments.scripts import load, machine, report, script_parser
+from kvlab.peers.hf import hf_generate
+from kvlab.presets import model_bytes_per_token
 
 CACHES = {"naive": "naive", "paged16": "paged+bs16"}  # JSON name -> compare config
 EQUALITY = {

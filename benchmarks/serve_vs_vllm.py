@@ -28,14 +28,14 @@ import httpx
 
 import kvlab
 from kvlab.model.loading import EMBEDDED_MODEL, cache_dir
-from kvlab.serve.server import free_socket
-from kvlab.serve.vllm_bench import (
+from kvlab.peers.vllm_serve import (
     bench_serve,
     server_process,
     vllm_cli_missing,
     vllm_env,
     vllm_serve_argv,
 )
+from kvlab.serve.server import free_socket
 
 BUDGET_BYTES = 1 << 30  # 1 GiB of KV on both
 MAX_MODEL_LEN = 2048

@@ -20,7 +20,7 @@ import sys
 
 from kvlab.experiments import speculative
 from kvlab.experiments.scripts import load, machine, report, script_parser
-from kvlab.experiments.vllm_peer import vllm_missing
+from kvlab.peers.vllm_peer import vllm_missing
 
 
 def main(argv: list[str] | None = None) -> dict:

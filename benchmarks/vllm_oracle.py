@@ -3,7 +3,7 @@
     python benchmarks/vllm_oracle.py [--save benchmarks/results/vllm_oracle.json]
 
 Needs `make peers` (.venv-vllm). Same model, token ids, block size 32 and KV bytes, fp32,
-greedy (kvlab.experiments.vllm_oracle; tests/test_vllm_oracle.py asserts the same runs).
+greedy (kvlab.checks.vllm_oracle; tests/test_vllm_oracle.py asserts the same runs).
 Prints the KV capacity for each byte budget, per request the prefix-hit tokens of kvlab
 and vLLM (RequestOutput.num_cached_tokens) and whether their tokens are identical, and the
 tight-budget run's peak running requests and preemptions.
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import kvlab
-from kvlab.experiments.vllm_oracle import run_oracle
+from kvlab.checks.vllm_oracle import run_oracle
 
 
 def main() -> None:

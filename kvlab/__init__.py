@@ -5,7 +5,11 @@ The layout is the architecture:
     kvlab/engine/       requests in, tokens out: engine, scheduler, sequence, sampler, telemetry
     kvlab/model/        loading a Llama-family model, kvlab's own forward, attention, metadata
     kvlab/cache/        KV caches (naive, paged), block allocator, prefix indexes, codecs
-    kvlab/experiments/  measured comparisons: compare, bench, stress, quality, sharing, peers
+    kvlab/experiments/  measured comparisons: compare, bench, stress, quality, sharing, ...
+    kvlab/peers/        the systems kvlab is measured against: HF transformers, vLLM
+    kvlab/checks/       kvlab checked against references: kernels, vLLM as an oracle
+    kvlab/presets.py    config names ("paged+prefix+int8") and KV budgets ("64MiB")
+    kvlab/cli/          the `kvlab` command line, a module per command
     kvlab/viz/          figures and widget apps for the notebooks
     kvlab/labs/         classroom exercises and their graders
     kvlab/planner/      the capacity planner

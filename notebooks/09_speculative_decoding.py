@@ -19,7 +19,7 @@
 # `kvlab/speculative/speculator.py` (plan, draft, verify, rollback), `kvlab/cache/base.py`
 # and `kvlab/cache/swap_retention.py` (`KVCache.rewind`),
 # `kvlab/engine/scheduler.py` (1 + k slots per decode), `kvlab/engine/core.py`;
-# measured by `kvlab/experiments/speculative.py` and `kvlab/experiments/spec_hf.py`,
+# measured by `kvlab/experiments/speculative.py` and `kvlab/peers/spec_hf.py`,
 # drawn by `kvlab/viz/speculative.py`.
 #
 # A decode step computes one token per sequence, and on a GPU at small batch it is

@@ -8,7 +8,8 @@ import pytest
 
 from kvlab.cli import main
 from kvlab.experiments.bench import BenchResult, run_bench
-from kvlab.experiments.peers import choose_batch_size, hf_generate_batch
+from kvlab.peers.hf import choose_batch_size, hf_generate_batch
+from kvlab.viz.bench import bench_figure
 from kvlab.workloads import Request, uniform_chat, write_jsonl
 
 SLOT = 46_080  # bytes of one token's K/V for SmolLM2-135M in fp32
@@ -52,7 +53,7 @@ def test_bench_runs_every_system_on_the_same_tokens(bench, tmp_path):
     loaded = BenchResult.load(path)
     assert loaded.to_json() == result and loaded.workload == "uniform-chat"
     assert loaded.systems["hf-generate"].batch_size == 3
-    assert list(loaded.figure().data[0].x) == list(result["systems"])
+    assert list(bench_figure(loaded).data[0].x) == list(result["systems"])
 
 
 def test_bench_cli_json(tmp_path, capsys):

@@ -308,8 +308,8 @@ class Missing(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Missing())
 script = runpy.run_path("benchmarks/gpu_check.py", run_name="gpu_check")
 script["load_kernels"]()
-from kvlab.experiments.gpu_check import headline
-from kvlab.experiments.kernel_check import correctness
+from kvlab.checks.gpu_check import headline
+from kvlab.checks.kernel_check import correctness
 print(headline({"correctness": correctness(quick=True)})["all_correct"])
 """
 

@@ -17,7 +17,7 @@ from kvlab.experiments.peer_profile import (
     vllm_parts,
 )
 from kvlab.experiments.step_profile import PARTS
-from kvlab.experiments.vllm_peer import VllmRun, vllm_missing
+from kvlab.peers.vllm_peer import VllmRun, vllm_missing
 from kvlab.workloads import encode_requests, uniform_chat, write_jsonl
 
 

@@ -23,9 +23,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 import kvlab  # noqa: E402
+from kvlab.peers.vllm_serve import wait_healthy  # noqa: E402
 from kvlab.serve import ServerThread, engine_config  # noqa: E402
 from kvlab.serve.server import free_socket  # noqa: E402
-from kvlab.serve.vllm_bench import wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PAGE = Path(__file__).with_name("data") / "vllm_serve_metrics.txt"

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("fastapi")
 
 import kvlab  # noqa: E402
+from kvlab.peers.vllm_serve import bench_serve, vllm_cli_missing  # noqa: E402
 from kvlab.serve import ServerThread, engine_config  # noqa: E402
-from kvlab.serve.vllm_bench import bench_serve, vllm_cli_missing  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bool(vllm_cli_missing()), reason=str(vllm_cli_missing()))
 PROMPTS, OUTPUT_LEN = 8, 8

@@ -1,4 +1,5 @@
-"""vLLM's n-gram speculative decoding on kvlab's prompts (kvlab.experiments.spec_vllm).
+"""vLLM's n-gram speculative decoding on kvlab's prompts (kvlab.peers.spec_vllm,
+kvlab.experiments.speculative.vllm_runs).
 
 Skipped where `make peers` cannot build `.venv-vllm`. One vLLM engine with n-gram k = 2
 on the embedded model, fp32, greedy, EOS ignored; its tokens are checked against kvlab's
@@ -11,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 import kvlab
-from kvlab.experiments.spec_vllm import ngram_config, vllm_runs
-from kvlab.experiments.speculative import spec_workloads
-from kvlab.experiments.vllm_peer import vllm_missing
+from kvlab.experiments.speculative import spec_workloads, vllm_runs
+from kvlab.peers.spec_vllm import ngram_config
+from kvlab.peers.vllm_peer import vllm_missing
 
 pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvlab.cli import main
 from kvlab.experiments.bench import BenchResult
-from kvlab.experiments.vllm_peer import vllm_missing
+from kvlab.peers.vllm_peer import vllm_missing
 from kvlab.workloads import encode_requests, uniform_chat, write_jsonl
 
 pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
@@ -44,7 +44,7 @@ def test_bench_cli_runs_vllm_on_the_same_tokens(model, tmp_path, capsys):
 def test_the_vllm_worker_starts_without_kvlabs_paths(monkeypatch):
     """PYTHONPATH with kvlab's root (as `make notebook-times` gives its kernels) would let
     kvlab's kernels/ folder answer transformers' `import kernels` in vLLM's venv."""
-    import kvlab.experiments.vllm_peer as peer
+    import kvlab.peers.vllm_peer as peer
 
     seen = {}
 

@@ -1,4 +1,4 @@
-"""vLLM as the oracle of kvlab's accounting (kvlab.experiments.vllm_oracle): same model,
+"""vLLM as the oracle of kvlab's accounting (kvlab.checks.vllm_oracle): same model,
 token ids, block size (32) and KV bytes, fp32, greedy.
 
 Skipped where `make peers` cannot build `.venv-vllm` (vLLM ships builds for Linux x86-64
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.experiments.vllm_oracle import BLOCK, BUDGETS, RUNS, block_bytes, run_oracle
-from kvlab.experiments.vllm_peer import vllm_missing
+from kvlab.checks.vllm_oracle import BLOCK, BUDGETS, RUNS, block_bytes, run_oracle
+from kvlab.peers.vllm_peer import vllm_missing
 
 pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=str(vllm_missing()))
 

@@ -3,7 +3,7 @@
     result = run_bench(model, doc_qa(16), peers=("hf-generate", "hf-generate-batch"))
     result.to_json()  # {"systems": {name: {"output_tokens", "wall_s", "tok_s", "cpu_percent"}},
     #                     "ratios": {...}, "token_agreement": {name: share of requests}}
-    result.save("bench.json"); BenchResult.load("bench.json").figure()
+    result.save("bench.json"); bench_figure(BenchResult.load("bench.json"))  # kvlab.viz.bench
 
 Every system gets the same token-id prompts, greedy decoding and each request's own
 max_new_tokens, with EOS ignored so all produce the same number of tokens. Systems run
@@ -14,7 +14,7 @@ each system's median round). A tiny untimed warm-up precedes the first round.
 
 Wall time includes each system's set-up: kvlab's Engine construction and
 transformers' continuous-batching manager start-up and shut-down. vLLM (peer "vllm",
-kvlab.experiments.vllm_bench) runs in a process of its own whose engine is built once,
+kvlab.peers.vllm_bench) runs in a process of its own whose engine is built once,
 before the rounds: its load time is in meta["vllm"], its rounds time generation only.
 Every system's CPU time is kept (cpu_percent: CPU seconds over wall seconds; vLLM's sums
 its processes), and so is its token agreement with kvlab: meta["token_agreement"], the
@@ -33,14 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 from tqdm.auto import tqdm
 
 from kvlab.build import Engine
-from kvlab.experiments.configs import default_max_model_len, model_bytes_per_token, parse_config
-from kvlab.experiments.peers import choose_batch_size, hf_generate, hf_generate_batch
 from kvlab.model.loading import LoadedModel
+from kvlab.peers.hf import choose_batch_size, hf_generate, hf_generate_batch
+from kvlab.presets import default_max_model_len, model_bytes_per_token, parse_config
 from kvlab.units import ceil_div, round_up
 from kvlab.workloads import Request, encode_requests
 
@@ -170,19 +169,6 @@ class BenchResult:
         """{name: tok/s} of every system (for bars beside a live run), names prefixed."""
         return {f"{prefix}{name}": round(s.tok_s, 2) for name, s in self.systems.items()}
 
-    def figure(self) -> go.Figure:
-        """Output tok/s per system: kvlab coloured, peers grey, ratios in the title."""
-        from kvlab.viz.bench import bench_figure
-
-        return bench_figure(self)
-
-    def write_html(self, path: str | Path) -> None:
-        note = ", ".join(f"{k}: {v}" for k, v in self.meta.items() if not isinstance(v, dict))
-        tables = {"systems": self.table(), "ratios": pd.Series(self.ratios()).to_frame("ratio")}
-        from kvlab.viz.report import write_report
-
-        write_report(path, f"kvlab bench: {self.workload}", note, tables, {"tok/s": self.figure()})
-
 
 def _first_eos_prefix(tokens: list[int], eos: set[int]) -> list[int]:
     for i, t in enumerate(tokens):
@@ -218,7 +204,7 @@ def run_bench(
     Args:
         configs: kvlab config names (`kvlab.experiments.compare.parse_config`); one is reported as
             "kvlab", several as "kvlab-<name>".
-        peers: any of PEERS ("vllm" needs `make peers`; see kvlab.experiments.vllm_bench).
+        peers: any of PEERS ("vllm" needs `make peers`; see kvlab.peers.vllm_bench).
         budget_bytes: KV budget for kvlab and for hf-generate-batch's cache, and the
             memory hf-generate's batch size is chosen to fit; default: the whole workload
             at once (every request's prompt + max_new_tokens, in 16-token blocks).
@@ -256,7 +242,7 @@ def run_bench(
     step_tokens = first_config.max_num_batched_tokens
     vllm = None
     if "vllm" in peers:  # its engine is built here, before any timed round
-        from kvlab.experiments.vllm_bench import VllmBenchSide
+        from kvlab.peers.vllm_bench import VllmBenchSide
 
         if progress:
             tqdm.write("vllm: starting its engine (not timed)", file=sys.stderr)

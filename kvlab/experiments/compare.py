@@ -3,7 +3,7 @@
     result = compare(model, doc_qa(16), ["naive", "paged", "paged+prefix", "paged+prefix+int8"])
     result.table()                      # one row per config
     result.to_json()                    # {"configs": {name: {metric: value}}}
-    result.figures()["memory"].show()   # reserved vs live KV over time, per config
+    comparison_figures(result)["memory"].show()   # kvlab.viz.compare: reserved vs live KV
 
 A config name is a cache kind followed by "+"-separated options (`parse_config`):
 "naive", "paged", "paged+prefix" (hash prefix caching, as vLLM), "paged+radix" (radix
@@ -21,23 +21,20 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pandas as pd
-import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
 from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.experiments.configs import (
+from kvlab.experiments.metrics import run_metrics
+from kvlab.model.loading import LoadedModel
+from kvlab.presets import (
     DEFAULT_CONFIGS,
     default_max_model_len,
     model_bytes_per_token,
     parse_config,
 )
-from kvlab.experiments.metrics import run_metrics
-from kvlab.model.loading import LoadedModel
-from kvlab.units import MiB
 from kvlab.workloads import Request, encode_requests
 
 
@@ -71,26 +68,6 @@ class Comparison:
     def stats(self) -> dict[str, pd.DataFrame]:
         """The per-step telemetry of every config, by name (for plotting)."""
         return {name: run.stats for name, run in self.runs.items()}
-
-    def figures(self, peers: dict[str, float] | None = None) -> dict[str, go.Figure]:
-        """Standalone figures: memory over time, capacity, throughput and latency.
-
-        `peers`: extra throughput bars {name: tok/s} (e.g. from a saved bench), grey.
-        """
-        from kvlab.viz.compare import comparison_figures
-
-        return comparison_figures(self, peers)
-
-    def write_html(self, path: str | Path, peers: dict[str, float] | None = None) -> None:
-        """A self-contained HTML report: the metrics table and every figure."""
-        from kvlab.viz.report import write_report
-
-        title = f"kvlab compare: {self.workload}"
-        note = (
-            f"KV budget {self.budget_bytes / MiB:.1f} MiB for every config, "
-            f"max_model_len {self.max_model_len}."
-        )
-        write_report(path, title, note, {"metrics": self.table()}, self.figures(peers))
 
 
 def compare(

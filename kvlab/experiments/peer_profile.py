@@ -21,7 +21,7 @@ import re
 import pandas as pd
 
 from kvlab.experiments.step_profile import PARTS
-from kvlab.experiments.vllm_peer import VllmRun
+from kvlab.peers.vllm_peer import VllmRun
 
 # A vLLM (torch profiler) operator name -> kvlab's part: the first pattern that matches.
 VLLM_OP_PARTS = (

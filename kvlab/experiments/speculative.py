@@ -20,7 +20,7 @@ the step), `wall_s` is the whole `generate` call.
 
 HF: `generate`, plain or with `prompt_lookup_num_tokens=k` (its n-gram drafting, here
 with n-grams of up to PROMPT_LOOKUP_MAX tokens, down to 1), one prompt at a time
-(kvlab.experiments.spec_hf). Each run prefills its prompt (HF's prompt lookup cannot
+(kvlab.peers.spec_hf). Each run prefills its prompt (HF's prompt lookup cannot
 start from a prefilled cache): its `decode_s` starts at its second forward, its `wall_s`
 includes the prefill. Its target forwards are counted by a hook, so its tokens per
 forward and acceptance come from the same arithmetic as kvlab's.
@@ -28,7 +28,7 @@ forward and acceptance come from the same arithmetic as kvlab's.
 The batch-size sweep (`batch_sweep`) cycles one workload's prompts to each batch size
 and runs them at once, with and without n-gram drafting, on the same warm engine.
 vLLM (`vllm=True`, where `make peers` built .venv-vllm): its engine without speculation
-and with n-gram drafting at each k, batch 1, EOS ignored (kvlab.experiments.spec_vllm);
+and with n-gram drafting at each k, batch 1, EOS ignored (kvlab.peers.spec_vllm);
 its drafted and accepted tokens are its own counts, its decode_s is its whole run.
 
 `verify_cost` times the model's first MLP on 1 + k rows: what a verify forward costs
@@ -101,9 +101,9 @@ def kvlab_specs(
 def hf_runs(
     model: LoadedModel, workload: str, requests: list[Request], ks: tuple[int, ...]
 ) -> list[SpecRun]:
-    """HF `generate`, plain and with prompt lookup at each k, batch 1 (kvlab.experiments
-    .spec_hf); n-grams of up to PROMPT_LOOKUP_MAX tokens, as kvlab's."""
-    from kvlab.experiments.spec_hf import run_hf
+    """HF `generate`, plain and with prompt lookup at each k, batch 1 (kvlab.peers.spec_hf);
+    n-grams of up to PROMPT_LOOKUP_MAX tokens, as kvlab's."""
+    from kvlab.peers.spec_hf import run_hf
 
     prompts = [list(r.prompt) for r in requests]
     done = run_hf(model, prompts, [r.max_new_tokens for r in requests], ks, PROMPT_LOOKUP_MAX)
@@ -116,6 +116,34 @@ def hf_runs(
         runs.append(
             SpecRun(workload, "hf", method, k, 1, tokens, decoded, forwards, drafted,
                     max(0, decoded - forwards), a["decode_s"], a["wall_s"], outputs=a["outputs"])
+        )  # fmt: skip
+    return runs
+
+
+def vllm_runs(
+    model: LoadedModel,
+    workload: str,
+    requests: list[Request],
+    ks: tuple[int, ...],
+    lookup_min: int,
+    lookup_max: int,
+    threads: int | None = None,
+    baseline: bool = True,
+) -> list[SpecRun]:
+    """vLLM without speculation (unless `baseline` is False) and with n-gram drafting at
+    each k, batch 1 (kvlab.peers.spec_vllm); its decode_s is its whole run."""
+    from kvlab.peers.spec_vllm import run_vllm
+
+    prompts = [list(r.prompt) for r in requests]
+    new_tokens = [r.max_new_tokens for r in requests]
+    done = run_vllm(model, prompts, new_tokens, ks, lookup_min, lookup_max, threads, baseline)
+    runs = []
+    for k, run in done.items():
+        tokens = sum(map(len, run.outputs))
+        runs.append(
+            SpecRun(workload, "vllm", "ngram" if k else "none", k, 1, tokens,
+                    tokens - len(prompts), run.steps - len(prompts), run.drafted,
+                    run.accepted, run.run_s, run.run_s, outputs=run.outputs)
         )  # fmt: skip
     return runs
 
@@ -153,8 +181,6 @@ def compare_speculation(
         runs += ours
         peers = {"hf": hf_runs} if hf else {}
         if vllm:
-            from kvlab.experiments.spec_vllm import vllm_runs
-
             peers["vllm"] = partial(
                 vllm_runs,
                 lookup_min=ngram_min,

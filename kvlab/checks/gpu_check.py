@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvlab.experiments import kernel_check
-from kvlab.experiments.kernel_check import CUDA, DEVICE
+from kvlab.checks import kernel_check
+from kvlab.checks.kernel_check import CUDA, DEVICE
 
 
 class IdTokenizer:
@@ -73,8 +73,8 @@ def engine_vs_hf(quick: bool, model_path: str | None) -> dict:
     """Output tok/s of the engine (paged cache; torch attention and kernel attention) and
     of HF `generate` on the same random prompts, greedy, the same token counts."""
     import kvlab
-    from kvlab.experiments.peers import hf_generate
     from kvlab.model.kernel_attention import KernelAttention
+    from kvlab.peers.hf import hf_generate
 
     model, source = _model(quick, model_path)
     n, new, prompt_len = (4, 8, 24) if quick else (32, 128, 256)

@@ -4,7 +4,7 @@
     run = side.run(prompts, max_new_tokens)  # a VllmRun: outputs, run_s, cpu_s
     side.meta()  # load time, thread binding, KV shape; side.close()
 
-vLLM runs in its own process (`.venv-vllm`, see kvlab.experiments.vllm_peer) in its
+vLLM runs in its own process (`.venv-vllm`, see kvlab.peers.vllm_peer) in its
 default multiprocess mode, as `vllm.LLM` runs: front end, engine core and model worker.
 Its engine is built once; its load time (processes, weights, KV) is reported apart and
 each round times generation only, greedy, EOS ignored, prefix caching on, the prefix
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.experiments.configs import model_bytes_per_token
-from kvlab.experiments.vllm_peer import (
+from kvlab.model.loading import LoadedModel
+from kvlab.peers.vllm_peer import (
     VLLM_BLOCK_SIZE,
     VllmEngine,
     VllmPeer,
     VllmRun,
     vllm_engine_args,
 )
-from kvlab.model.loading import LoadedModel
+from kvlab.presets import model_bytes_per_token
 from kvlab.units import round_up
 
 MULTIPROCESS = "multiprocess (front end, engine core, model worker)"  # vLLM's default

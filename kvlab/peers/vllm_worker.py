@@ -1,9 +1,9 @@
 """vLLM's offline engine, driven by kvlab: a worker run by the vLLM venv's python.
 
-    .venv-vllm/bin/python kvlab/experiments/vllm_worker.py LOG_FILE
+    .venv-vllm/bin/python kvlab/peers/vllm_worker.py LOG_FILE
 
 It never imports kvlab (vLLM pins a transformers that kvlab's venv cannot have); kvlab's
-side is kvlab.experiments.vllm_peer. Commands arrive one JSON object a line on stdin,
+side is kvlab.peers.vllm_peer. Commands arrive one JSON object a line on stdin,
 each answer leaves as one JSON line on stdout; everything vLLM prints goes to LOG_FILE.
 
     {"cmd": "start", "engine": {EngineArgs fields}}
@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 
-# Run as a script, this file's folder (kvlab/experiments) heads sys.path: drop it, so
+# Run as a script, this file's folder (kvlab/peers) heads sys.path: drop it, so
 # kvlab's modules never shadow one that vLLM imports.
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]

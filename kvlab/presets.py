@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from kvlab.cache import CACHES, PREFIX_INDEXES
+from kvlab.cache import CACHES, PREFIX_INDEXES, check_config
 from kvlab.cache.codecs import CODECS
 from kvlab.config import EngineConfig
 from kvlab.model.loading import LoadedModel
@@ -51,7 +51,9 @@ def options() -> dict[str, dict[str, object]]:
 def parse_config(name: str, **base) -> EngineConfig:
     """The EngineConfig a config name spells ("paged+prefix+int8"), on top of `base` fields.
 
-    Raises ValueError naming the unknown part and the parts that are known.
+    Raises ValueError naming the unknown part and the parts that are known, or the
+    parts that do not combine (kvlab.cache.check_config: "naive+prefix"), so a bad name
+    fails before any model loads.
     """
     cache, *parts = name.strip().split("+")
     if cache not in CACHES:
@@ -72,7 +74,9 @@ def parse_config(name: str, **base) -> EngineConfig:
                 f"config {name!r}: unknown option {part!r}; options are {sorted(table)} "
                 "and bsN (block size N)"
             )
-    return EngineConfig(**{**base, **chosen})
+    config = EngineConfig(**{**base, **chosen})
+    check_config(config)
+    return config
 
 
 def model_bytes_per_token(model: LoadedModel) -> int:
