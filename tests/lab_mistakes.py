@@ -19,7 +19,7 @@ import torch
 from kvlab.cache import BlockAllocator, OutOfBlocks
 from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
-from kvlab.labs import allocator, hashing, int8, metrics, rollback, tier, victim, window
+from kvlab.labs import allocator, hashing, int8, metrics, rollback, scorer, tier, victim, window
 from kvlab.units import ceil_div
 
 
@@ -543,6 +543,70 @@ def preemptions_total_not_delta(before, after):
     return int(count), usage_after(after)
 
 
+# --- lab 9: the precise scorer ----------------------------------------------------------------
+class ScorerAnswer:
+    """A right answer (the lab's solution): the mistakes below each change one method."""
+
+    def __init__(self):
+        self.held = {}
+
+    def apply(self, replica, event):
+        blocks = self.held.setdefault(replica, set())
+        if event["type"] == "BlockStored":
+            blocks.update(event["block_hashes"])
+        elif event["type"] == "BlockRemoved":
+            blocks.difference_update(event["block_hashes"])
+        elif event["type"] == "AllBlocksCleared":
+            blocks.clear()
+
+    def score(self, hashes, replicas):
+        scores = {}
+        for replica in replicas:
+            blocks, n = self.held.get(replica, set()), 0
+            for h in hashes:
+                if h not in blocks:
+                    break
+                n += 1
+            scores[replica] = n
+        return scores
+
+
+class CountsBlocksPastAGap(ScorerAnswer):
+    """Counts every hash the replica holds, not the run from the first block."""
+
+    def score(self, hashes, replicas):
+        return {r: sum(h in self.held.get(r, set()) for h in hashes) for r in replicas}
+
+
+class RemovesFromEveryReplica(ScorerAnswer):
+    """A BlockRemoved forgets the block on every replica, not only the one that evicted it."""
+
+    def apply(self, replica, event):
+        if event["type"] == "BlockRemoved":
+            for blocks in self.held.values():
+                blocks.difference_update(event["block_hashes"])
+        else:
+            super().apply(replica, event)
+
+
+class ClearsEveryReplica(ScorerAnswer):
+    """AllBlocksCleared from one replica empties them all."""
+
+    def apply(self, replica, event):
+        if event["type"] == "AllBlocksCleared":
+            self.held.clear()
+        else:
+            super().apply(replica, event)
+
+
+class ScoresOnlyReplicasSeen(ScorerAnswer):
+    """Leaves out the replicas that have sent no event yet."""
+
+    def score(self, hashes, replicas):
+        scores = super().score(hashes, replicas)
+        return {r: n for r, n in scores.items() if r in self.held}
+
+
 # --- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mistake:
@@ -565,8 +629,9 @@ LAB_NAMES = (  # every lab, in order: the tests check the folders and workflow a
     "06_window_release",
     "07_tier_lru",
     "08_reading_metrics",
+    "09_precise_scorer",
 )
-L1, L2, L3, L4, L5, L6, L7, L8 = LAB_NAMES
+L1, L2, L3, L4, L5, L6, L7, L8, L9 = LAB_NAMES
 MISTAKES = [
     Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
     Mistake(L1, AllowsDoubleFree, allocator.DOUBLE_FREE, ["a.decref(0)", "ValueError"]),
@@ -639,6 +704,10 @@ MISTAKES = [
     Mistake(L8, preemptions_from_histogram_sum, metrics.PREEMPTED, ["still running"]),
     Mistake(L8, preemptions_usage_in_percent, metrics.KV_USAGE, ["already a fraction"]),
     Mistake(L8, preemptions_total_not_delta, metrics.PREEMPTED, ["since the server started"]),
+    Mistake(L9, CountsBlocksPastAGap, scorer.GAP, ["s.score([1, 9, 3, 4], ['r0'])"]),
+    Mistake(L9, RemovesFromEveryReplica, scorer.REMOVED, ["r1 still holds block 3"]),
+    Mistake(L9, ClearsEveryReplica, scorer.CLEARED, ["r1 did not reset"]),
+    Mistake(L9, ScoresOnlyReplicasSeen, scorer.RETURNS, ["s.score([1, 2, 3], ['r0', 'r1', 'r2'])"]),
 ]
 
 
@@ -656,6 +725,7 @@ BINDINGS = {
     L6: "release_blocks = {name}",
     L7: "LabHostTier = {name}",
     L8: "parse_metrics, hit_rate, preemptions = {answer}",
+    L9: "LabScorer = {name}",
 }
 L8_ROLES = (
     "parse_",
@@ -697,6 +767,8 @@ def submission(mistake: Mistake) -> str:
         parts.append(inspect.getsource(dequantize))
     if mistake.lab == L7:  # the right answer the mistake changes one method of
         parts.insert(1, inspect.getsource(TierAnswer))
+    if mistake.lab == L9:
+        parts.insert(1, inspect.getsource(ScorerAnswer))
     if mistake.lab == L8:  # the right functions, the mistake bound in place of its own
         helpers = (read_line, sample_lines, delta, caching_off, usage_after)
         helpers += (parse_metrics, hit_rate, preemptions)

@@ -32,11 +32,13 @@ from kvlab.engine.scheduler import choose_victim
 from kvlab.integrity import IntegrityError
 from kvlab.labs import (
     KvlabHostTier,
+    KvlabScorer,
     LabFailure,
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
     check_metrics_reading,
+    check_precise_scorer,
     check_spec_rollback,
     check_tier_lru,
     check_victim_choice,
@@ -65,6 +67,7 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "06_window_release": check_window_release,
     "07_tier_lru": check_tier_lru,
     "08_reading_metrics": check_metrics_reading,
+    "09_precise_scorer": check_precise_scorer,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "01_block_allocator": (BlockAllocator,),
@@ -75,6 +78,7 @@ KVLAB_PARTS = {  # the library's own parts: the graders' references
     "06_window_release": (kvlab_release,),
     "07_tier_lru": (KvlabHostTier,),
     "08_reading_metrics": (kvlab_parse, kvlab_hit_rate, kvlab_preemptions),
+    "09_precise_scorer": (KvlabScorer,),
 }
 
 
@@ -322,7 +326,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_eight_labs_each_one_source_and_its_student_version():
+def test_there_are_nine_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):

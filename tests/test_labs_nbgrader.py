@@ -37,6 +37,7 @@ from kvlab.labs import (
     check_block_hash,
     check_int8_codec,
     check_metrics_reading,
+    check_precise_scorer,
     check_spec_rollback,
     check_tier_lru,
     check_victim_choice,
@@ -67,6 +68,7 @@ GRADERS = dict(
             check_window_release,
             check_tier_lru,
             check_metrics_reading,
+            check_precise_scorer,
         ],
     )
 )

@@ -13,7 +13,8 @@ The references are kvlab's own parts, through their public interfaces: `BlockAll
 `kvlab_dequantize`), `kvlab.engine.scheduler.choose_victim` (`kvlab_victim`), the
 speculative rollback `KVCache.rewind` with `BlockAllocator.decref` (`kvlab_rollback`) and
 the retention policies "window" and "sinks" (`kvlab_release`) and the host tier
-`HostTier` (`KvlabHostTier`); the /metrics lab reads pages kvlab's server metrics render
+`HostTier` (`KvlabHostTier`), kvlab's router index `kvlab.route.index.BlockIndex`
+(`KvlabScorer`); the /metrics lab reads pages kvlab's server metrics render
 (`kvlab_parse`: prometheus_client's parser, `kvlab_hit_rate`, `kvlab_preemptions`). The labs
 are notebooks/labs/source/<lab>/<lab>.ipynb (nbgrader sources, solved); the learners'
 notebooks/labs/<lab>.ipynb are generated from them by `python -m kvlab.labs.student`.
@@ -31,6 +32,7 @@ from kvlab.labs.metrics import (
     kvlab_preemptions,
 )
 from kvlab.labs.rollback import Rollback, check_spec_rollback, kvlab_rollback
+from kvlab.labs.scorer import KvlabScorer, check_precise_scorer
 from kvlab.labs.tier import KvlabHostTier, check_tier_lru
 from kvlab.labs.victim import check_victim_choice, kvlab_victim, running_seq
 from kvlab.labs.window import check_window_release, kvlab_release
@@ -39,12 +41,14 @@ __all__ = [
     "Failure",
     "LabFailure",
     "KvlabHostTier",
+    "KvlabScorer",
     "LabResult",
     "Rollback",
     "check_block_allocator",
     "check_block_hash",
     "check_int8_codec",
     "check_metrics_reading",
+    "check_precise_scorer",
     "check_spec_rollback",
     "check_tier_lru",
     "check_victim_choice",
