@@ -42,6 +42,8 @@ LONG_MODULES = (
     "test_serve_vllm_client.py",
     "test_spec_vllm.py",
     "test_vllm_oracle.py",
+    "test_vllm_kv_events.py",
+    "test_vllm_block_hash.py",
     "test_engine_fuzz.py",
     "test_scheduler.py",
     "test_vllm_bench.py",
