@@ -176,3 +176,33 @@ def test_serve_replicas_are_processes_started_and_stopped(tiny_model_path, tiny_
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_chats_through_the_router_come_home(tiny_model, fleet):
+    """Multi-turn chats (kvlab.route.sessions), as chat messages and as token ids: each
+    session's later turns go to the replica holding it and hit its cache; the router logs
+    each request's user; the summary counts what the replicas reported."""
+    from kvlab.route.sessions import run_chats, summary, tenant_sessions
+
+    _, backends = fleet
+    sessions = tenant_sessions(3, turns=2, tenants=2, max_doc_chars=600)
+    router = Router(backends, policy="precise", tokenizer=tiny_model.tokenizer)
+    with RouterThread(router) as front:
+        for tokenizer in (None, tiny_model.tokenizer):
+            router.reset_counts()
+            for backend in backends:
+                httpx.post(backend.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            router.subscriber.wait_quiet()
+            turns = run_chats(front.url, tiny_model.name, sessions, max_tokens=3, concurrency=1,
+                              tokenizer=tokenizer)  # fmt: skip
+            assert len(turns) == 6 and {t.turn for t in turns} == {0, 1}
+            home = {t.session_id: t.replica for t in turns if t.turn == 0}
+            for t in turns:
+                assert t.replica == home[t.session_id]
+                if t.turn == 1:
+                    assert t.cached_tokens >= t.prompt_tokens // 2
+            users = [d["user"] for d in router.decisions]
+            assert sorted(users) == sorted(t.session_id for t in turns)
+            row = summary(turns, 1.0, ["r0", "r1"])
+            assert row["turns"] == 6 and row["later_turn_hit_rate"] > 0.5
+            assert sum(row["requests_per_replica"].values()) == 6

@@ -40,6 +40,7 @@ def routed_request(body: dict, kind: str, tokenizer) -> RoutedRequest:
     from kvlab.model.prompts import encode_messages, encode_prompt
 
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    user = body.get("user") if isinstance(body.get("user"), str) else None
     ids = None
     if kind == "chat":
         messages = body.get("messages") or []
@@ -47,16 +48,16 @@ def routed_request(body: dict, kind: str, tokenizer) -> RoutedRequest:
         if tokenizer is not None:
             plain = [{**m, "content": _content(m.get("content"))} for m in messages]
             ids = encode_messages(tokenizer, plain)
-        return RoutedRequest(text, ids, salt)
+        return RoutedRequest(text, ids, salt, user)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return RoutedRequest(" ".join(map(str, prompt)), list(prompt), salt)
+        return RoutedRequest(" ".join(map(str, prompt)), list(prompt), salt, user)
     text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if tokenizer is not None and isinstance(prompt, str):
         ids = encode_prompt(tokenizer, prompt, chat=False)
-    return RoutedRequest(text, ids, salt)
+    return RoutedRequest(text, ids, salt, user)
 
 
 def _content(content) -> str:

@@ -49,6 +49,7 @@ class RoutedRequest:
     text: str
     token_ids: list[int] | None = None
     salt: str | None = None
+    user: str | None = None  # OpenAI's `user` field (for the decision log only)
 
 
 @dataclass

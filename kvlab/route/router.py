@@ -107,6 +107,7 @@ class Router:
                 "i": self.count,
                 "t": time.time(),
                 "policy": self.policy.name,
+                "user": request.user,
                 "replica": replica.name,
                 "reason": decision.reason,
                 "scores": decision.scores,

@@ -66,6 +66,7 @@ async def _turn(http, url, model, session, t, answers, max_tokens, t0, tokenizer
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "user": session.session_id,  # OpenAI's end-user field: the router logs it
     }
     if tokenizer is None:
         path, body["messages"] = "/v1/chat/completions", messages
