@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
             "model": model.name,
             "workload": f"{n_chat} chat requests x {chat_tokens} tokens, {n_long} doc-QA "
             "prompts arriving among them",
-            "setups": disagg.compare(model, trace),
+            "setups": disagg.colocated_vs_disaggregated(model, trace),
         },
         args.out,
     )

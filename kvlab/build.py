@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import weakref
 
+from kvlab.cache import check_config as check_cache_config
 from kvlab.cache import make_cache
 from kvlab.cache.events import EventSink
 from kvlab.config import EngineConfig
@@ -47,14 +48,22 @@ class Engine(EngineCore):
         weakref.finalize(self, parts.close)  # tensor-parallel workers stop at exit
 
 
-def build_parts(
-    model: LoadedModel, config: EngineConfig, kv_events: EventSink | None = None
-) -> EngineParts:
-    """Every part an engine on `model` with `config` runs on (see the module docstring)."""
+def check_config(config: EngineConfig) -> None:
+    """Raise ValueError naming the field if `config` names a part no registry holds (a
+    cache, prefix index, KV codec, retention policy, proposer) or parts that do not
+    combine; `Engine(model, config)` calls it before it builds anything."""
+    check_cache_config(config)
     if config.speculative is not None:
         from kvlab.speculative import PROPOSERS
 
         PROPOSERS[config.speculative.method]  # its error names the field and the choices
+
+
+def build_parts(
+    model: LoadedModel, config: EngineConfig, kv_events: EventSink | None = None
+) -> EngineParts:
+    """Every part an engine on `model` with `config` runs on (see the module docstring)."""
+    check_config(config)
     max_model_len = max_model_len_of(model.config, config)
     hf = model.hf_model
     if config.tensor_parallel_size > 1:

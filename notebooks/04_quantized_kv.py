@@ -52,7 +52,7 @@ from kvlab.viz.quantization import (
     capacity_figure,
     channel_magnitude,
     channel_magnitude_figure,
-    frontier_figure,
+    codec_frontier_figure,
     layer_histograms,
 )
 
@@ -232,7 +232,7 @@ print(f"  ratio {ratio:.3g} (bytes per token ratio {byte_ratio:.3g})")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-frontier_figure(report).show()
+codec_frontier_figure(report).show()
 
 # %%
 capacity_figure(report, budget).show()

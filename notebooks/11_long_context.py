@@ -49,7 +49,7 @@ from kvlab.config import EngineConfig, SamplingParams
 from kvlab.experiments import longctx, quality
 from kvlab.model.metadata import build_retained_metadata
 from kvlab.units import MiB
-from kvlab.viz.retention import block_map_figure, frontier_figure, memory_figure
+from kvlab.viz.retention import block_map_figure, memory_figure, recall_frontier_figure
 
 pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
@@ -189,7 +189,7 @@ summary = frontier.groupby(["policy", "budget"], sort=False).agg(
     recall=("recalled", "mean"), kv_kept=("kv_kept_frac", "mean")
 )
 print(summary.round(2).to_string())
-frontier_figure(frontier)
+recall_frontier_figure(frontier)
 
 # %% [markdown]
 # Read the table against the baseline: a window keeps a needle only while it sits inside

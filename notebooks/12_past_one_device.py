@@ -101,7 +101,7 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 # %%
 trace = disagg.interference_trace(n_chat=4, n_long=2, chat_tokens=CHAT_TOKENS, long_tokens=4,
                                   gap_s=GAP_S, long_chars=LONG_CHARS)  # fmt: skip
-setups = disagg.compare(model, trace)
+setups = disagg.colocated_vs_disaggregated(model, trace)
 prompt_tokens = sum(len(model.tokenizer(r.prompt).input_ids) for r in trace[4:])
 print({name: row["identical_to_colocated"] for name, row in setups.items()})
 print("transfers rejected:", setups["disaggregated"]["transfers_rejected"])

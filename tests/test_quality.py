@@ -17,7 +17,7 @@ from kvlab.viz.quantization import (
     CodecExplorer,
     capacity_figure,
     channel_magnitude_figure,
-    frontier_figure,
+    codec_frontier_figure,
     layer_histograms,
 )
 
@@ -152,5 +152,5 @@ def test_static_figures_draw_from_kv_and_a_report():
             "capacity": [4, 15],
         }
     )
-    assert list(frontier_figure(report).data[0].x) == [46080, 11880]
+    assert list(codec_frontier_figure(report).data[0].x) == [46080, 11880]
     assert list(capacity_figure(report, 2**27).data[0].y) == [4, 15]

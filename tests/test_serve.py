@@ -263,6 +263,8 @@ def test_metrics_use_vllm_names_labels_and_meanings(tiny_model):
         wait_idle(server)
         values = scrape(server)
         page = httpx.get(f"{server.url}/metrics").text
+        num_blocks = on_engine(server, lambda e: e.cache.num_blocks)
+        stats_free = on_engine(server, lambda e: int(e.stats()["blocks_free"].iloc[-1]))
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # 2 full blocks
     expected = {
@@ -285,6 +287,9 @@ def test_metrics_use_vllm_names_labels_and_meanings(tiny_model):
     assert values["vllm:request_success_total{engine=0,finished_reason=length}"] == 2
     # 40 prompt + 4 generated tokens in KV: 2 full blocks stay cached, the partial one is freed
     assert values["kvlab:kv_cache_cached_blocks{engine=0}"] == 2
+    # free as vLLM counts it (its free queue holds cached blocks no request references), on
+    # /metrics and in engine.stats() alike: every block, the 2 cached ones among them
+    assert values["kvlab:kv_cache_free_blocks{engine=0}"] == num_blocks == stats_free
 
     ours = {f.name: f for f in text_string_to_metric_families(page)}
     theirs = {f.name: f for f in text_string_to_metric_families(VLLM_PAGE.read_text())}

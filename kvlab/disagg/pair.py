@@ -21,7 +21,9 @@ from kvlab.workloads import Request
 
 
 @dataclasses.dataclass
-class TransferStats:
+class PairStats:
+    """What a Disaggregated pair moved between its processes, and what it recomputed."""
+
     transfers: int = 0
     bytes_moved: int = 0
     rejected: int = 0  # corrupted or truncated: recomputed on the decode side
@@ -62,7 +64,7 @@ class Disaggregated:
         if not self.decode.cache.swaps:
             raise ValueError(f"the decode engine's cache={decode.cache!r} cannot admit KV "
                              "from outside (it does not swap): use cache='paged'")  # fmt: skip
-        self.stats = TransferStats()
+        self.stats = PairStats()
         self.consumer = PrefillDecodeConnector("kv_consumer", self.decode.cache)
         context = worker_context(["kvlab.disagg.prefill"])
         self.conn, child = context.Pipe()  # a local socket pair

@@ -21,7 +21,7 @@ class StepRecord:
     swapped_bytes: int  # cumulative bytes copied to host memory
     recomputed_tokens: int  # cumulative tokens dropped by recompute preemption
     blocks_used: int  # physical blocks held by sequences (naive: regions)
-    blocks_free: int
+    blocks_free: int  # free as vLLM counts: never used, or cached with no reference
     prefix_query_tokens: int  # prompt tokens admitted this step
     prefix_hit_tokens: int  # of those, served from the prefix cache
     reserved_bytes: int

@@ -56,7 +56,9 @@ def _summary(outputs, wall_s: float) -> dict:
     }
 
 
-def compare(model: LoadedModel, requests: list[Request], **config) -> dict[str, dict]:
+def colocated_vs_disaggregated(
+    model: LoadedModel, requests: list[Request], **config
+) -> dict[str, dict]:
     """Colocated (without / with chunked prefill) and disaggregated, one run each; the
     greedy tokens of all three must be equal."""
     base = dict(cache="paged", block_size=16, max_num_batched_tokens=512) | config

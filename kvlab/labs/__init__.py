@@ -24,13 +24,8 @@ from kvlab.labs.allocator import check_block_allocator
 from kvlab.labs.grading import Failure, LabFailure, LabResult
 from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
 from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
-from kvlab.labs.metrics import (
-    check_metrics_reading,
-    example_pages,
-    kvlab_hit_rate,
-    kvlab_parse,
-    kvlab_preemptions,
-)
+from kvlab.labs.metrics import check_metrics_reading, kvlab_hit_rate, kvlab_parse, kvlab_preemptions
+from kvlab.labs.metrics_pages import example_pages
 from kvlab.labs.rollback import Rollback, check_spec_rollback, kvlab_rollback
 from kvlab.labs.scorer import KvlabScorer, check_precise_scorer
 from kvlab.labs.tier import KvlabHostTier, check_tier_lru

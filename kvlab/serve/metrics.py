@@ -77,9 +77,14 @@ GAUGES = {
     "kv_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
     "cached_blocks": (
         "kvlab:kv_cache_cached_blocks",
-        "Blocks of finished requests kept for prefix reuse (evictable, so not in use).",
+        "Blocks of finished requests kept for prefix reuse (evictable, so also free).",
     ),
-    "free_blocks": ("kvlab:kv_cache_free_blocks", "Blocks on the free list."),
+    # vLLM's meaning of free (BlockPool.get_num_free_blocks): its free queue holds the cached
+    # blocks no request references (evicted when taken), so they count; so does engine.stats()
+    "free_blocks": (
+        "kvlab:kv_cache_free_blocks",
+        "Blocks an allocation can take: never used, or cached with no reference (evictable).",
+    ),
     "swapped": ("kvlab:num_requests_swapped", "Requests whose KV sits in host memory."),
 }
 COUNTERS = {
@@ -263,7 +268,7 @@ class ServeMetrics:
         self.kv_usage.set((cache.num_blocks - cache.num_available) / cache.num_blocks)
         allocator = getattr(cache, "allocator", None)
         self.cached_blocks.set(allocator.num_cached if allocator else 0)
-        self.free_blocks.set(allocator.num_free if allocator else cache.num_available)
+        self.free_blocks.set(cache.num_available)
         self.preemptions.inc(scheduler.preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.preemptions
 

@@ -7,14 +7,11 @@ the dashboard's subplot grid.
 from __future__ import annotations
 
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from kvlab.experiments.compare import Comparison
 from kvlab.units import MiB
-
-PALETTE = qualitative.Plotly
-PEER_COLOR = "#9e9e9e"
+from kvlab.viz.style import PEER_COLOR, palette_color
 
 
 def comparison_figures(
@@ -48,7 +45,7 @@ def add_memory(fig: go.Figure, comparison: Comparison, row=None, col=None) -> No
     and the budget (dashed)."""
     cell, end = _cell(row, col), 0.0
     for i, (name, run) in enumerate(comparison.runs.items()):
-        color, stats = PALETTE[i % len(PALETTE)], run.stats
+        color, stats = palette_color(i), run.stats
         end = max(end, float(stats["time_s"].max() - stats["time_s"].min()) if len(stats) else 0)
         t = stats["time_s"] - stats["time_s"].min()
         for column, dash, label in (
@@ -88,7 +85,7 @@ def memory_over_time(comparison: Comparison) -> go.Figure:
             name=f"{name} running",
             legendgroup=name,
             showlegend=False,
-            line=dict(color=PALETTE[i % len(PALETTE)], shape="hv"),
+            line=dict(color=palette_color(i), shape="hv"),
             row=2,
             col=1,
         )
@@ -105,7 +102,7 @@ def add_capacity(fig: go.Figure, comparison: Comparison, row=None, col=None) -> 
         x=names,
         y=[m["peak_concurrent"] for m in metrics],
         text=[f"waste {100 * m['waste_frac']:.0f}%" for m in metrics],
-        marker_color=[PALETTE[i % len(PALETTE)] for i in range(len(names))],
+        marker_color=[palette_color(i) for i in range(len(names))],
         name="peak concurrent",
         showlegend=False,
         **_cell(row, col),
@@ -125,7 +122,7 @@ def add_throughput(
     fig.add_bar(
         x=names,
         y=[comparison.runs[n].metrics["tok_s"] for n in names],
-        marker_color=[PALETTE[i % len(PALETTE)] for i in range(len(names))],
+        marker_color=[palette_color(i) for i in range(len(names))],
         name="kvlab",
         showlegend=False,
         **_cell(row, col),

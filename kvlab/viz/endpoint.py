@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.serve.replay import ReplayResult
-from kvlab.viz.compare import PALETTE
+from kvlab.viz.style import palette_color
 
 
 def endpoint_figure(results: dict[str, ReplayResult]) -> go.Figure:
@@ -19,7 +19,7 @@ def endpoint_figure(results: dict[str, ReplayResult]) -> go.Figure:
     titles += ["TTFT (s)", "inter-token gap (s)"]
     fig = make_subplots(rows=2, cols=2, subplot_titles=titles, vertical_spacing=0.15)
     for i, (name, result) in enumerate(results.items()):
-        color = PALETTE[i % len(PALETTE)]
+        color = palette_color(i)
         t = [s["t_s"] for s in result.samples]
         usage = [s["vllm:kv_cache_usage_perc"] for s in result.samples]
         row = result.summary()

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from kvlab.kernels import walk
 from kvlab.units import ceil_div, round_up
-
-PALETTE = qualitative.Plotly
+from kvlab.viz.style import palette_color
 
 
 def block_walk_figure(
@@ -40,7 +38,7 @@ def block_walk_figure(
         ),
     )
     for b, seq in rows.groupby("seq"):
-        colour = PALETTE[b % len(PALETTE)]
+        colour = palette_color(b)
         shade = [0.55 if t % 2 else 1.0 for t in seq["tile"]]
         fig.add_trace(
             go.Scatter(
@@ -111,7 +109,7 @@ def roofline_figure(points: pd.DataFrame, copy_gb_s: float, title: str) -> go.Fi
                 y=group["ms"],
                 mode="markers",
                 name=series,
-                marker=dict(color=PALETTE[i % len(PALETTE)], size=8),
+                marker=dict(color=palette_color(i), size=8),
                 text=hover,
                 hovertemplate="%{text}<br>%{x:.3s}B in %{y:.3g} ms<extra>%{fullData.name}</extra>",
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipywidgets as widgets
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from kvlab.build import Engine
@@ -13,9 +12,9 @@ from kvlab.config import EngineConfig
 from kvlab.model.loading import LoadedModel
 from kvlab.units import MiB, ceil_div
 from kvlab.viz.app import App
+from kvlab.viz.style import PALETTE, palette_color
 from kvlab.workloads import Request
 
-PALETTE = qualitative.Plotly  # 10 colours; request id r is drawn in PALETTE[r % 10]
 BLOCK_SIZES = (1, 4, 8, 16, 32, 64, 128)
 
 
@@ -60,7 +59,7 @@ def memory_panels(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go
         subplot_titles=("KV memory", "waste: reserved but not written", "running sequences"),
     )
     for i, (name, stats) in enumerate(stats_by_name.items()):
-        color, busy = PALETTE[i % len(PALETTE)], _busy(stats)
+        color, busy = palette_color(i), _busy(stats)
         panels = [
             (1, stats, stats["reserved_bytes"] / MiB, "reserved", "solid"),
             (1, stats, stats["live_bytes"] / MiB, "live", "dot"),

@@ -29,7 +29,7 @@ def kv_per_rank_figure(rows: dict[int, dict], kv_heads: int) -> go.Figure:
 
 def latency_figure(setups: dict[str, dict]) -> go.Figure:
     """Grouped bars: TTFT p50 and ITL p50/p99 per setup (rows from
-    kvlab.experiments.disagg.compare)."""
+    kvlab.experiments.disagg.colocated_vs_disaggregated)."""
     names = list(setups)
     figure = go.Figure(
         [

@@ -15,15 +15,14 @@ from collections.abc import Sequence as Seq
 import ipywidgets as widgets
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from kvlab.engine.requests import Prompt
 from kvlab.experiments.sharing import MODES, measure_sharing
 from kvlab.model.loading import LoadedModel
 from kvlab.viz.app import App
+from kvlab.viz.style import PALETTE, palette_color
 
-PALETTE = qualitative.Plotly
 SHARED_COLOR = "#d62728"  # pages referenced by more than one block table
 BLOCK_SIZES = (8, 16, 32, 64)
 
@@ -61,7 +60,7 @@ def block_table_figure(
     rows = {name: (1 if i == 0 else -i) for i, name in enumerate(tables)}
     fig = go.Figure()
     for i, (name, table) in enumerate(tables.items()):
-        color, y = PALETTE[i % len(PALETTE)], rows[name]
+        color, y = palette_color(i), rows[name]
         for is_shared in (False, True):
             xs: list[float | None] = []
             ys: list[float | None] = []
@@ -267,7 +266,7 @@ def blocks_figure(stats_by_name: dict[str, pd.DataFrame], title: str) -> go.Figu
                 y=stats["blocks_used"].tolist(),
                 name=name,
                 mode="lines+markers",
-                line=dict(shape="hv", color=PALETTE[i % len(PALETTE)]),
+                line=dict(shape="hv", color=palette_color(i)),
             )
             for i, (name, stats) in enumerate(stats_by_name.items())
         ]

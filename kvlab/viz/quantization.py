@@ -145,7 +145,7 @@ def channel_magnitude_figure(k: torch.Tensor, v: torch.Tensor, layer: int) -> go
     return figure
 
 
-def frontier_figure(report: pd.DataFrame) -> go.Figure:
+def codec_frontier_figure(report: pd.DataFrame) -> go.Figure:
     """Bytes per token against perplexity increase and greedy agreement, one point per codec."""
     figure = make_subplots(
         rows=1,

@@ -83,7 +83,7 @@ def memory_figure(trace: pd.DataFrame) -> go.Figure:
     return figure
 
 
-def frontier_figure(frontier: pd.DataFrame) -> go.Figure:
+def recall_frontier_figure(frontier: pd.DataFrame) -> go.Figure:
     """Needle recall against the fraction of the full KV kept, one line per policy
     (`kvlab.experiments.longctx.recall_frontier`); full retention is the point at 1."""
     summary = (
