@@ -35,7 +35,8 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/06_kernels.ipynb notebooks/07_dashboard.ipynb \
 	notebooks/08_capacity_planner.ipynb notebooks/09_speculative_decoding.ipynb \
 	notebooks/10_kv_tiers.ipynb notebooks/11_long_context.ipynb \
-	notebooks/12_past_one_device.ipynb notebooks/13_isolation.ipynb notebooks/labs/source
+	notebooks/12_past_one_device.ipynb notebooks/13_isolation.ipynb \
+	notebooks/14_many_replicas.ipynb notebooks/labs/source
 
 .PHONY: setup lab test lint browser peers bench notebook-times clean labs grading test-grading docs
 
@@ -118,6 +119,7 @@ test-grading: grading
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # Its set-up steps run side by side: .venv, vLLM's venv and chromium are independent of
 # each other (grading and lint wait for .venv), so a fresh machine is set up in the time
