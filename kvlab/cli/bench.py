@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from kvlab.cli.shared import (
     endpoint_args,
@@ -24,7 +25,14 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--peers",
         default="hf-generate,hf-generate-batch",
-        help="comma-separated peers: hf-generate, hf-generate-batch, vllm (needs `make peers`)",
+        help="comma-separated peers: hf-generate, hf-generate-batch, vllm (vLLM at its "
+        "defaults: compiled, its block size), vllm-eager (enforce_eager, reported as "
+        "'vllm (eager)'); the vLLM peers need `make peers`",
+    )
+    bench.add_argument(
+        "--same-block-size",
+        action="store_true",
+        help="also run each kvlab config at vLLM's CPU block size (128), a second line",
     )
     bench.add_argument(
         "--vllm-threads",
@@ -53,14 +61,36 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         help="hf-generate static batch size (default: 16, or the largest padded batch that "
         "fits the budget)",
     )
-    bench.add_argument("--rounds", type=int, default=1, help="alternating-order rounds")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds, alternating order, after an untimed warm-up pass (default: 5 "
+        "with peers, 1 for kvlab alone)",
+    )
     bench.add_argument("--save", default=None, metavar="PATH", help="save the full result JSON")
     bench.add_argument("--html", default=None, metavar="PATH", help="write a plotly report")
     endpoint_args(bench)
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The `kvlab bench` command that `args` spell (options away from their defaults)."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    parts = ["kvlab", "bench"]
+    for action in defaults._actions:
+        if action.dest not in vars(args) or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        parts += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return shlex.join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvlab.experiments.bench import PEERS, run_bench
+    from kvlab.experiments.bench import PEERS, provenance, run_bench
 
     requests = load_workload(args)
     peers, configs = split(args.peers), split(args.configs)
@@ -80,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         workload=args.workload,
         vllm_threads=args.vllm_threads,
+        same_block_size=args.same_block_size,
     )
+    result.provenance = provenance(result, command_line(args))
     endpoint = replay_endpoint(args, model, requests)
     if endpoint:
         result.meta["endpoint"] = endpoint
@@ -91,22 +123,31 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_json(), endpoint)
     else:
-        print(f"{args.workload}: {len(requests)} requests, greedy, same prompts and lengths")
+        rounds = result.meta["rounds"]
+        print(
+            f"{args.workload}: {len(requests)} requests, greedy, same prompts and lengths; "
+            f"{rounds} alternating round(s) after an untimed warm-up pass"
+        )
         print(result.table().to_string())
-        for name, ratio in result.ratios().items():
-            print(f"{name}: {ratio:.2f}x")
+        best = result.ratios()
+        for name, ratio in result.median_ratios().items():
+            print(f"{name}: {ratio:.2f}x (median rounds), {best[name]:.2f}x (fastest rounds)")
         agreement = result.meta["token_agreement"]
         print(
             "requests token-identical to kvlab:",
             ", ".join(f"{k} {v}" for k, v in agreement.items()),
         )
-        if "vllm" in result.meta:
-            vllm = result.meta["vllm"]
-            print(
-                f"vllm {vllm['version']}: engine built in {vllm['load_s']} s (not timed), "
-                f"VLLM_CPU_OMP_THREADS_BIND={vllm['VLLM_CPU_OMP_THREADS_BIND']}, "
-                f"OpenMP on cores {vllm['omp_core_ids']}"
-            )
+        for name in result.systems:
+            vllm = result.meta.get(name) if name.startswith("vllm") else None
+            if vllm:
+                how = f"compiled ({vllm['compilation_mode']})" if vllm["compiled"] else "eager"
+                print(
+                    f"{name} {vllm['version']}: {how}, block size {vllm['block_size']}, "
+                    f"engine built in {vllm['load_s']} s (not timed), "
+                    f"VLLM_CPU_OMP_THREADS_BIND={vllm['VLLM_CPU_OMP_THREADS_BIND']}, "
+                    f"OpenMP on cores {vllm['omp_core_ids']}"
+                )
+        print("threads:", result.provenance["threads"])
         print_endpoint(endpoint)
     return 0
 

@@ -1,19 +1,26 @@
 """vLLM as a peer of `kvlab bench`: one engine, built before the timed rounds.
 
-    side = VllmBenchSide.start(model, prompts, max_new_tokens, budget_bytes, max_model_len)
+    side = VllmBenchSide.start(model, prompts, max_new_tokens, budget_bytes,
+                               eager=False, block_size=None)  # vLLM's own defaults
     run = side.run(prompts, max_new_tokens)  # a VllmRun: outputs, run_s, cpu_s
-    side.meta()  # load time, thread binding, KV shape; side.close()
+    side.meta()  # load time, compiled or eager, thread binding, KV shape; side.close()
 
 vLLM runs in its own process (`.venv-vllm`, see kvlab.peers.vllm_peer) in its
 default multiprocess mode, as `vllm.LLM` runs: front end, engine core and model worker.
-Its engine is built once; its load time (processes, weights, KV) is reported apart and
-each round times generation only, greedy, EOS ignored, prefix caching on, the prefix
-cache emptied before every round (a fresh engine's state, as kvlab's Engine starts).
+Its engine is built once; its load time (processes, weights, KV, and with eager=False
+the torch.compile of its model) is reported apart and each round times generation
+only, greedy, EOS ignored, prefix caching on, the prefix cache emptied before every
+round (a fresh engine's state, as kvlab's Engine starts).
 
-Its KV gets the bench's byte budget with vLLM's block size (32 on CPU). vLLM refuses to
-start unless one `max_model_len` sequence fits beside its null block, so its
-max_model_len is the longest request rounded up to a block, and the budget is raised to
-that one sequence when smaller (meta says so).
+`kvlab bench` runs it at vLLM's defaults: compiled (eager=False) and its CPU build's
+block size (block_size=None: 128), or eager as a labelled second peer ("vllm (eager)").
+The defaults of `start` (eager, block 32) are the step-exact comparison's
+(`kvlab profile --peer vllm`): the CPU build takes block sizes that are multiples of 32.
+
+Its KV gets `kv_bytes` (the bench's byte budget, or the whole workload at vLLM's block
+size). vLLM refuses to start unless one `max_model_len` sequence fits beside its null
+block, so its max_model_len is the longest request rounded up to a block, and the budget
+is raised to that one sequence when smaller (meta says so).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 from kvlab.model.loading import LoadedModel
 from kvlab.peers.vllm_peer import (
     VLLM_BLOCK_SIZE,
+    VLLM_CPU_DEFAULT_BLOCK_SIZE,
     VllmEngine,
     VllmPeer,
     VllmRun,
@@ -42,6 +50,7 @@ class VllmBenchSide:
     engine: VllmEngine
     engine_args: dict
     budget_raised: bool  # the bench's budget could not hold one max_model_len sequence
+    name: str = "vllm"  # the system's name in a bench: "vllm" compiled, "vllm (eager)"
 
     @classmethod
     def start(
@@ -54,6 +63,9 @@ class VllmBenchSide:
         max_num_batched_tokens: int = 4096,
         threads: int | None = None,
         inproc: bool = False,
+        *,
+        eager: bool = True,
+        block_size: int | None = VLLM_BLOCK_SIZE,
     ) -> VllmBenchSide:
         """Start the worker and build vLLM's engine for this workload (not timed).
 
@@ -61,8 +73,10 @@ class VllmBenchSide:
         on all cores of a NUMA node but one, kept for its engine core), else N for
         VLLM_CPU_OMP_THREADS_BIND=0-(N-1).
         inproc: the whole engine in the worker process (what a profile needs).
+        eager: enforce_eager (no torch.compile); False is vLLM's default.
+        block_size: None for vLLM's own (128 on its CPU build).
         """
-        block = VLLM_BLOCK_SIZE
+        block = block_size or VLLM_CPU_DEFAULT_BLOCK_SIZE
         longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
         max_model_len = round_up(longest, block)
         one_sequence = (max_model_len + block) * model_bytes_per_token(model)  # + null block
@@ -71,9 +85,10 @@ class VllmBenchSide:
             model,
             kv_bytes,
             max_model_len,
-            block,
+            block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            enforce_eager=eager,
         )
         peer = VllmPeer(threads=threads, inproc=inproc)
         try:
@@ -81,7 +96,7 @@ class VllmBenchSide:
         except BaseException:
             peer.close()
             raise
-        return cls(peer, engine, args, kv_bytes > budget_bytes)
+        return cls(peer, engine, args, kv_bytes > budget_bytes, "vllm (eager)" if eager else "vllm")
 
     def run(
         self, prompts: list[list[int]], max_new_tokens: list[int], profile: bool = False
@@ -98,6 +113,9 @@ class VllmBenchSide:
             "version": self.engine.vllm_version,
             "load_s": round(self.engine.load_s, 2),
             "mode": "one process" if self.peer.inproc else MULTIPROCESS,
+            "compiled": not self.engine_args["enforce_eager"],  # torch.compile (inductor)
+            "compilation_mode": self.engine.compilation_mode,
+            "block_size_chosen_by": "kvlab" if "block_size" in self.engine_args else "vLLM",
             "VLLM_CPU_OMP_THREADS_BIND": self.peer.threads_bind,
             "omp_core_ids": self.engine.omp_core_ids,
             "dtype": self.engine_args["dtype"],

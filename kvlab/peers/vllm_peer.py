@@ -34,8 +34,10 @@ from kvlab.peers.vllm_serve import vllm_env, vllm_venv
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # The CPU build's attention (CPU_ATTN) takes block sizes that are multiples of 32 only:
-# vLLM refuses 16 at start-up. kvlab-vs-vLLM comparisons use 32 on both sides.
+# vLLM refuses 16 at start-up. Step-exact kvlab-vs-vLLM comparisons use 32 on both sides.
 VLLM_BLOCK_SIZE = 32
+# The CPU build's own block size where none is given (vllm/platforms/cpu.py, 0.32).
+VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
 
 
 def vllm_missing() -> str | None:
@@ -65,15 +67,22 @@ def vllm_engine_args(
     model: LoadedModel,
     kv_cache_bytes: int,
     max_model_len: int,
-    block_size: int = VLLM_BLOCK_SIZE,
+    block_size: int | None = VLLM_BLOCK_SIZE,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 4096,
     prefix_caching: bool = True,
+    enforce_eager: bool = True,
 ) -> dict:
-    """vLLM EngineArgs for kvlab's model in its dtype, byte-exact KV size, prefix caching."""
+    """vLLM EngineArgs for kvlab's model in its dtype, byte-exact KV size, prefix caching.
+
+    block_size: None leaves it to vLLM (128 on its CPU build). enforce_eager: True (the
+    checks' and the oracle's choice: they count blocks and tokens, and an eager engine
+    starts without compiling); False is vLLM's default, the model compiled with
+    torch.compile (what `kvlab bench --peers vllm` runs).
+    """
     dtype = str(model.dtype).removeprefix("torch.")
     path = model_path(model)
-    return {
+    args = {
         "model": path,
         "tokenizer": path,
         "dtype": dtype,
@@ -83,7 +92,11 @@ def vllm_engine_args(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "enable_prefix_caching": prefix_caching,
+        "enforce_eager": enforce_eager,
     }
+    if block_size is None:
+        del args["block_size"]
+    return args
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,8 @@ class VllmEngine:
     block_size: int
     logged_kv_tokens: int | None  # its "KV cache size: N tokens" log line
     omp_core_ids: list[int] | None  # the cores its model worker's threads are bound to
+    enforce_eager: bool | None = None  # False: compiled (vLLM's default); None: not reported
+    compilation_mode: str | None = None  # vLLM's CompilationMode name (NONE when eager)
 
     @property
     def usable_blocks(self) -> int:

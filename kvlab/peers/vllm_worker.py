@@ -8,7 +8,7 @@ each answer leaves as one JSON line on stdout; everything vLLM prints goes to LO
 
     {"cmd": "start", "engine": {EngineArgs fields}}
         -> {"vllm_version", "load_s", "num_blocks", "block_size", "logged_kv_tokens",
-            "omp_core_ids"}
+            "omp_core_ids", "enforce_eager", "compilation_mode"}
     {"cmd": "run", "prompts": [{"token_ids": [...], "max_tokens": n}, ...],
      "arrival": "together" | "one-by-one", "reset_prefix_cache": true, "profile": false}
         -> {"run_s", "cpu_s", "steps", "peak_running", "peak_waiting", "preemptions",
@@ -18,6 +18,12 @@ each answer leaves as one JSON line on stdout; everything vLLM prints goes to LO
             "outputs": [{"token_ids", "num_cached_tokens", "num_preemptions"}, ...]}
     {"cmd": "stop"}  -> {} (the engine shuts down; a new "start" may follow)
 A failed command answers {"error": "...", "traceback": "..."}; end of input ends the worker.
+
+The engine gets vLLM's own defaults for every field the command leaves out: on the CPU
+build that is the model compiled once by torch.compile/inductor (DYNAMO_TRACE_ONCE, during
+"start", so load_s holds the compile) and block size 128; "enforce_eager": true in the
+command runs it eagerly. "start" answers with what vLLM chose (enforce_eager, the
+compilation mode's name, block_size).
 
 Greedy (temperature 0), EOS ignored (every request makes exactly max_tokens), so the
 answers compare token for token with kvlab's. Peak running requests and preemptions
@@ -100,12 +106,18 @@ def cpu_seconds() -> float:
     return total
 
 
+def engine_arguments(engine_args: dict) -> dict:
+    """EngineArgs fields: the command's, over stats on and seed 0; vLLM's defaults for the
+    rest (compiled, its platform's block size: nothing is forced eager here)."""
+    return {"disable_log_stats": False, "seed": 0, **engine_args}
+
+
 def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
     import vllm
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    args = {"enforce_eager": True, "disable_log_stats": False, "seed": 0, **engine_args}
+    args = engine_arguments(engine_args)
     logged_from = os.path.getsize(log_file)
     began = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[step_logger_class()])
@@ -118,6 +130,7 @@ def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
     size = re.search(r"KV cache size: ([\d,]+) tokens", text)
     cores = re.search(r"core ids=\[([\d, ]*)\]", text)
     cache = engine.vllm_config.cache_config
+    mode = engine.vllm_config.compilation_config.mode
     return engine, {
         "vllm_version": vllm.__version__,
         "load_s": load_s,
@@ -125,6 +138,8 @@ def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
         "block_size": cache.block_size,
         "logged_kv_tokens": int(size.group(1).replace(",", "")) if size else None,
         "omp_core_ids": [int(c) for c in cores.group(1).split(",") if c.strip()] if cores else None,
+        "enforce_eager": bool(engine.vllm_config.model_config.enforce_eager),
+        "compilation_mode": getattr(mode, "name", str(mode)),  # NONE when eager
     }
 
 
