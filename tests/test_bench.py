@@ -5,6 +5,7 @@ fake vLLM side."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -125,6 +126,7 @@ class FakeVllmSide:
     """Stands in for kvlab.peers.vllm_bench.VllmBenchSide: no vLLM, a log of every call."""
 
     log: list = []
+    pid = -1  # no worker process
 
     def __init__(self, eager: bool, block_size, budget: int):
         self.name = "vllm (eager)" if eager else "vllm"
@@ -170,11 +172,32 @@ class FakeVllmSide:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    import kvlab.experiments.bench as bench
     import kvlab.peers.vllm_bench as vllm_bench
 
     FakeVllmSide.log = []
     monkeypatch.setattr(vllm_bench, "VllmBenchSide", FakeVllmSide)
+    monkeypatch.setattr(bench, "VLLM_BUSY_LOOP_S", 0.0)  # no fake worker spins
     return FakeVllmSide.log
+
+
+def test_cpu_seconds_leave_out_the_vllm_workers():
+    """kvlab's rounds count this process and its children, never a vLLM worker's tree."""
+    import subprocess
+    import sys
+
+    from kvlab.experiments.bench import cpu_seconds
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin + "\ntime.sleep(30)"])
+    try:
+        before_all, before_mine = cpu_seconds(), cpu_seconds(skip=(child.pid,))
+        time.sleep(2.0)  # the child spends its 0.6 s of CPU
+        assert cpu_seconds() - before_all >= 0.4
+        assert cpu_seconds(skip=(child.pid,)) - before_mine < 0.3
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_vllm_peers_compiled_by_default_eager_labelled_full_warmup_alternating(

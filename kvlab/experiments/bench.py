@@ -61,6 +61,9 @@ DEFAULT_PEERS = ("hf-generate", "hf-generate-batch")  # the vLLM peers need `mak
 VLLM_PEERS = {"vllm": "vllm", "vllm-eager": "vllm (eager)"}  # peer -> its system name
 DEFAULT_KVLAB_CONFIG = "paged+prefix"
 PEER_ROUNDS = 5  # the default rounds where there are peers (kvlab alone: 1)
+# vLLM's model worker spins on its message queue for 1 s after its last message
+# (shm_broadcast's busy_loop_s): with a vLLM peer, each run starts after this much quiet.
+VLLM_BUSY_LOOP_S = 1.5
 
 
 def is_kvlab(name: str) -> bool:
@@ -72,11 +75,20 @@ def system_name(peer: str) -> str:
     return VLLM_PEERS.get(peer, peer)
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process (every thread) and its live children."""
+def cpu_seconds(skip: tuple[int, ...] = ()) -> float:
+    """User + system CPU seconds of this process (every thread) and its live children,
+    but for the process trees rooted at `skip` (the vLLM workers: a system of their own)."""
     me = psutil.Process()
+    skipped = set(skip)
+    for pid in skip:
+        try:
+            skipped.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except (psutil.Error, ValueError):  # gone, or no process id
+            pass
     total = 0.0
     for proc in [me, *me.children(recursive=True)]:
+        if proc.pid in skipped:
+            continue
         try:
             times = proc.cpu_times()
             total += times.user + times.system
@@ -357,9 +369,10 @@ def run_bench(
             done = vllm[name].run(ids, max_new)
             tokens = sum(map(len, done.outputs))
             return SystemResult(name, tokens, done.run_s, None, [], done.outputs, done.cpu_s)
-        cpu0 = cpu_seconds()
+        workers = tuple(side.pid for side in vllm.values())
+        cpu0 = cpu_seconds(skip=workers)
         result = run_here(name, show)
-        result.cpu_s = cpu_seconds() - cpu0
+        result.cpu_s = cpu_seconds(skip=workers) - cpu0
         return result
 
     def run_here(name: str, show: bool) -> SystemResult:
@@ -405,7 +418,8 @@ def run_bench(
                 eager=peer == "vllm-eager",
                 block_size=None,  # vLLM's own
             )
-        best, orders = _rounds(systems, run, rounds, warmup, progress)
+        pause_s = VLLM_BUSY_LOOP_S if vllm else 0.0
+        best, orders = _rounds(systems, run, rounds, warmup, progress, pause_s)
     finally:
         for side in vllm.values():
             side.close()
@@ -442,6 +456,7 @@ def run_bench(
         "kvlab_configs": names,
         "hf_generate_batch_size": batch_size if "hf-generate" in peers else None,
         "warmup": "one untimed pass of the whole workload per system" if warmup else None,
+        "pause_before_each_run_s": VLLM_BUSY_LOOP_S if vllm else 0.0,
         "rounds": rounds,
         "order": systems,
         "round_orders": orders,
@@ -461,14 +476,16 @@ def _load_average() -> list[float]:
 
 
 def _rounds(
-    systems: list[str], run, rounds: int, warmup: bool, progress: bool
+    systems: list[str], run, rounds: int, warmup: bool, progress: bool, pause_s: float = 0.0
 ) -> tuple[dict[str, SystemResult], list[list[str]]]:
-    """The warm-up pass and the timed rounds of `run(name, show) -> SystemResult`: each
-    system's fastest round (with every round's wall and CPU seconds), and each round's order."""
+    """The warm-up pass and the timed rounds of `run(name, show) -> SystemResult`, with
+    `pause_s` of quiet before each run: each system's fastest round (with every round's
+    wall and CPU seconds), and each round's order."""
     if warmup:  # the whole workload once each, untimed: compiles and first calls land here
         if progress:
             tqdm.write("warm-up pass (not timed)", file=sys.stderr)
         for name in systems:
+            time.sleep(pause_s)
             run(name, False)
     seen: dict[str, list[SystemResult]] = {name: [] for name in systems}
     orders = []
@@ -476,6 +493,7 @@ def _rounds(
         order = systems if index % 2 == 0 else systems[::-1]
         orders.append(list(order))
         for name in order:
+            time.sleep(pause_s)
             seen[name].append(run(name, progress))
     best = {}
     for name, results in seen.items():

@@ -107,6 +107,11 @@ class VllmBenchSide:
             prompts, max_new_tokens, arrival="together", reset_prefix_cache=True, profile=profile
         )
 
+    @property
+    def pid(self) -> int:
+        """The worker's process id (its engine core and model worker are its children)."""
+        return self.peer.process.pid
+
     def meta(self) -> dict:
         """What the bench's meta records about vLLM."""
         return {
