@@ -96,20 +96,32 @@ class BlockLedger:
         pool, forward = engine.cache.pool, engine._compute
 
         def forward_rows(batch):
-            pending = []
-            for seq, n in batch:
-                chain = self.chain(seq)
-                start = seq.num_computed
-                drafts = self.prefixes.walk(chain[-1], seq.draft_ids)
-                ids = chain + drafts
-                pending += ids[start : start + n]
-            self._pending = pending
+            self._pending = self._rows(batch)
             try:
                 return forward(batch)
             finally:
                 self._pending = None
 
         engine._compute = forward_rows
+        speculator = engine.speculator
+        if speculator is not None:  # drafting runs inside _compute, and changes the rows
+            drafting = speculator.draft
+
+            def draft(batch):
+                self._pending = None  # a draft model's writes: overwritten by the target's
+                drafting(batch)
+                self._pending = self._rows(batch)
+
+            speculator.draft = draft
+        release = getattr(engine.cache, "_release", None)
+        if release is not None:  # a sequence leaving indexes its tokens, accepted drafts
+            # emitted in its last step among them: they are verified from then on
+
+            def released(seq):
+                self.chain(seq)
+                return release(seq)
+
+            engine.cache._release = released
         self._after(getattr(pool, "local", pool), "write", self._write)  # tp: rank 0's own
         self._after(pool, "copy", self._copy)
         self._after(pool, "read", self._read)
@@ -121,6 +133,16 @@ class BlockLedger:
         connector = getattr(engine.cache, "connector", None)
         if connector is not None:
             self._watch_tiers(connector)
+
+    def _rows(self, batch) -> list[int]:
+        """The ids of the tokens a forward of `batch` writes, row by row."""
+        pending = []
+        for seq, n in batch:
+            chain = self.chain(seq)
+            start = seq.num_computed
+            ids = chain + self.prefixes.walk(chain[-1], seq.draft_ids)
+            pending += ids[start : start + n]
+        return pending
 
     @staticmethod
     def _after(obj, name: str, record) -> None:
@@ -259,11 +281,20 @@ class BlockLedger:
                 require(
                     pid in self.verified,
                     f"ledger: the radix index names block {child.block} for tokens no "
-                    "verified prefix has (a drafted or unknown token is indexed)",
+                    f"verified prefix has (a drafted or unknown token is indexed): salt "
+                    f"{salt!r}, {len(tokens)} tokens, verified up to "
+                    f"{self._verified_length(salt, tokens)}, ending {list(tokens[-4:])}",
                 )
                 entries.append((child.block, pid))
                 stack.append((child, tokens, salt))
         return entries
+
+    def _verified_length(self, salt, tokens) -> int:
+        """How many of `tokens` (after `salt`) form a verified prefix."""
+        for n in range(len(tokens), 0, -1):
+            if self.prefixes.find(salt, tokens[:n]) in self.verified:
+                return n
+        return 0
 
     def _check_indexed(self, cache, block: int, pid: int) -> None:
         bs = cache.block_size

@@ -1,8 +1,9 @@
 """A stateful property test: random interleavings of requests, bursts, steps, preemptions,
 cancellations, sessions and bad input, on engine configs that draw every EngineConfig
 field together (speculation with every codec, n > 1, swap and recompute, chunked prefill
-in both orders, prefix caching, tiers with sessions and TTLs, retention policies, the
-kernels path, tensor parallel), must leave the engine consistent.
+in both orders, prefix caching with kvlab's or vLLM's block hashes, tiers with sessions
+and TTLs, retention policies, the kernels path, tensor parallel, batch-invariant mode),
+must leave the engine consistent.
 
 After every rule:
 - `check_integrity()`, the telemetry consistent, no stall while work is queued;
@@ -15,7 +16,7 @@ After every rule:
   or in any tier, forks included, but what other requests share.
 At the end: every request finished, every block free or cached, and each greedy (or
 seeded) sample equal to its solo run on an unpressured naive engine with the same KV codec
-(a cancelled one a prefix of it). Checked for consistency only: kivi2 (its outputs depend
+and mode (a cancelled one a prefix of it). Checked for consistency only: kivi2 (its outputs depend
 on where key groups split), seeded samples under speculation (rejection sampling draws
 other random numbers), and retention policies that dropped blocks.
 
@@ -126,6 +127,9 @@ def engine_configs(draw, focus: str | None = None) -> dict:
                       retention_heavy=draw(st.sampled_from([0, 8, 32])))  # fmt: skip
     elif prefix == "hash" and (focus == "tiers" or draw(st.integers(0, 2))):
         config["tiers"] = draw(tier_configs())
+    if prefix == "hash" and draw(st.integers(0, 2)) == 0:  # vLLM's block hashes
+        config.update(prefix_caching_hash_algo="sha256_cbor",
+                      prefix_caching_hash_seed=draw(st.sampled_from([None, "0", "7"])))  # fmt: skip
     return _tensor_parallel(draw, config)
 
 
@@ -137,6 +141,8 @@ def _tensor_parallel(draw, config: dict) -> dict:
     allowed = config["attention"] == "torch" and "retention" not in config
     if allowed and not layers and "tiers" not in config and draw(st.integers(0, 29)) == 0:
         config["tensor_parallel_size"] = 2
+    elif "retention" not in config and draw(st.integers(0, 5)) == 0:
+        config["batch_invariant"] = True  # outputs then equal an invariant solo run's
     return config
 
 
@@ -182,28 +188,30 @@ def bursts(draw) -> list[tuple]:
 
 
 class Oracle:
-    """Solo runs on an unpressured naive engine, one per codec, memoized across examples."""
+    """Solo runs on an unpressured naive engine, one per codec and mode (batch-invariant
+    or not), memoized across examples."""
 
     def __init__(self, model):
         self.model, self.engines, self.memo = model, {}, {}
 
-    def tokens(self, kv_codec, prompt: list[int], params: SamplingParams, i: int) -> list[int]:
+    def tokens(self, mode: tuple, prompt: list[int], params: SamplingParams, i: int) -> list[int]:
+        """mode: (kv_codec, batch_invariant) of the engine under test."""
         seed = None if params.seed is None else params.seed + i  # sample i of n uses seed + i
-        key = (kv_codec, tuple(prompt), params.max_new_tokens, params.temperature, seed,
+        key = (mode, tuple(prompt), params.max_new_tokens, params.temperature, seed,
                params.ignore_eos)  # fmt: skip
         if key not in self.memo:
-            if kv_codec not in self.engines:
-                config = kvlab.EngineConfig(
-                    max_model_len=MAX_MODEL_LEN, kv_budget_tokens=MAX_MODEL_LEN, kv_codec=kv_codec
-                )
-                self.engines[kv_codec] = kvlab.Engine(self.model, config)
+            if mode not in self.engines:
+                config = kvlab.EngineConfig(max_model_len=MAX_MODEL_LEN,
+                                            kv_budget_tokens=MAX_MODEL_LEN, kv_codec=mode[0],
+                                            batch_invariant=mode[1])  # fmt: skip
+                self.engines[mode] = kvlab.Engine(self.model, config)
             solo = SamplingParams(
                 max_new_tokens=params.max_new_tokens,
                 temperature=params.temperature,
                 seed=seed,
                 ignore_eos=params.ignore_eos,
             )
-            [out] = self.engines[kv_codec].generate([prompt], solo)
+            [out] = self.engines[mode].generate([prompt], solo)
             self.memo[key] = out.token_ids
         return self.memo[key]
 
@@ -250,6 +258,8 @@ class EngineMachine(RuleBasedStateMachine):
                 ("swap", c.preemption == "swap"),
                 ("ttl", c.session_ttl_s is not None),
                 ("n-gram", c.speculative is not None and c.speculative.method == "ngram"),
+                ("batch-invariant", c.batch_invariant),
+                ("sha256_cbor", c.prefix_caching_hash_algo == "sha256_cbor"),
             )
             if on
         ]
@@ -387,7 +397,7 @@ class EngineMachine(RuleBasedStateMachine):
                 kept = [i for i in kept if i >= -(-config.retention_sinks // bs)]
                 allowed = 0
             else:
-                allowed = config.retention_heavy // bs
+                allowed = -(-config.retention_heavy // bs)  # whole blocks, rounded up
             assert len(kept) <= allowed, (
                 f"{config.retention} keeps blocks {kept} of request {seq.request_id} "
                 f"({seq.num_computed} tokens, window {config.retention_window})"
@@ -494,7 +504,8 @@ class EngineMachine(RuleBasedStateMachine):
             if engine.speculator and not params.greedy:
                 continue  # rejection sampling draws other random numbers: same law only
             for i, sample in enumerate(out.samples):
-                expected = self.oracle.tokens(kv_codec, prompt, params, i)
+                mode = (kv_codec, engine.config.batch_invariant)
+                expected = self.oracle.tokens(mode, prompt, params, i)
                 if sample.finish_reason == "cancelled":
                     assert sample.token_ids == expected[: len(sample.token_ids)], out.request_id
                 else:
@@ -512,7 +523,7 @@ class EngineMachine(RuleBasedStateMachine):
         stack.check_integrity()
         held = [t.held for t in stack.tiers if t.name == "host"]
         assert not held or not held[0], "a swapped-out request still holds host-tier room"
-        keyer, origin = HashPrefixIndex(engine.cache.block_size), {}
+        keyer, origin = HashPrefixIndex.from_config(engine.config), {}  # the engine's hashes
         for _, salt, tokens in self._token_lists():
             for key in keyer.keys(tokens, salt):
                 origin[key] = salt

@@ -10,7 +10,7 @@ import pytest
 import kvlab
 import kvlab.engine.postprocess as engine_module
 from kvlab.config import SamplingParams
-from kvlab.integrity import EngineDead
+from kvlab.integrity import EngineDead, IntegrityError
 
 SENTINEL = 4242  # a token only the poisoned prompt holds
 SHARED = list(range(300, 332))  # two blocks of 16 the burst shares
@@ -97,14 +97,31 @@ def test_a_failing_sample_of_n_fails_its_whole_request(tiny_model, monkeypatch):
     assert engine.cache.allocator.num_used == 0
 
 
-def test_a_dead_worker_is_not_isolated(tiny_model, monkeypatch):
+@pytest.mark.parametrize("config", ["naive", "speculative"])
+def test_a_step_whose_only_request_fails_goes_on(tiny_model, config, monkeypatch):
+    """Every row of the batch failed: nothing is left to post-process (found by the fuzz
+    soak: the empty batch's sampling indexed a logits list with no rows)."""
+    engine = _engine(tiny_model, **CONFIGS[config])
+    _poison("forward", engine, monkeypatch)
+    bad = engine.add_request(POISONED, PARAMS)
+    finished = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in finished] == [(bad, "error")]
+    good = engine.add_request(GOOD[3], PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished[-1].request_id == good and engine.finished[-1].error is None
+
+
+@pytest.mark.parametrize("error", [EngineDead("rank 1 (pid 7) died"), IntegrityError("rank 1")])
+def test_a_dead_worker_or_a_broken_invariant_is_not_isolated(tiny_model, error, monkeypatch):
+    """Neither is one request's fault: the step raises, nothing fails quietly."""
     engine = _engine(tiny_model, cache="paged")
 
     def dead(*args, **kwargs):
-        raise EngineDead("rank 1 (pid 7) died")
+        raise error
 
     monkeypatch.setattr(engine.runner, "forward", dead)
     engine.add_request(GOOD[0], PARAMS)
     engine.add_request(GOOD[1], PARAMS)
-    with pytest.raises(EngineDead, match="rank 1"):
+    with pytest.raises(type(error), match="rank 1"):
         engine.step()

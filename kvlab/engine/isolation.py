@@ -12,7 +12,8 @@ Two things need care:
   computing them (a same-step burst over one prefix). If that publisher fails, those
   blocks were never written, so the sharers (`tainted`) are preempted to recompute
   instead of going on with what they read.
-- `EngineDead` (a dead worker process) is never isolated: nothing can go on.
+- `EngineDead` (a dead worker process) and `IntegrityError` (a broken engine invariant,
+  not a request's fault) are never isolated: nothing can go on.
 
 Sampling is isolated per row by `sample_isolated`: a batched draw that raises is redone
 row by row from the generators' states before it.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvlab.integrity import EngineDead
+from kvlab.integrity import EngineDead, IntegrityError
 from kvlab.sequence import Sequence
 
 Failure = tuple[Sequence, str]  # a row that failed alone, and why
@@ -56,7 +57,7 @@ def _run(attempt: Callable, batch) -> tuple[dict, list[Failure]]:
     try:
         logits = attempt(batch)
         return {id(s): (n, row) for (s, n), row in zip(batch, logits)}, []
-    except EngineDead:
+    except (EngineDead, IntegrityError):
         raise
     except Exception as error:
         groups = list(dict.fromkeys(group_of(s) for s in batch.seqs))
@@ -95,7 +96,7 @@ def sample_isolated(sample: Callable, logits: torch.Tensor, seqs: list[Sequence]
     states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
     try:
         return dict(enumerate(sample(logits, seqs))), []
-    except EngineDead:
+    except (EngineDead, IntegrityError):
         raise
     except Exception:
         tokens, failed = {}, []

@@ -24,7 +24,7 @@ from kvlab.engine.isolation import describe, group_of, sample_isolated
 from kvlab.engine.outputs import RequestMetrics, RequestOutput, Sample
 from kvlab.engine.sampler import sample
 from kvlab.engine.scheduler import Batch
-from kvlab.integrity import EngineDead
+from kvlab.integrity import EngineDead, IntegrityError
 from kvlab.sequence import RequestState, Sequence
 
 
@@ -56,19 +56,18 @@ class Postprocess:
         """Row -> the tokens it emits: one sampled token, or (speculation) the accepted
         drafts and one more. Rows whose sampling or verification raised go to `failed`."""
         plain = [row for row in ready if not batch.seqs[row].draft_ids]
-        sampled, lost = sample_isolated(
-            sample,
-            torch.cat([logits[row] for row in plain]) if plain else logits[0][:0],
-            [batch.seqs[row] for row in plain],
-        )
-        failed += lost
+        sampled = {}
+        if plain:  # (every row may have failed in the forward, or carry drafts)
+            rows = torch.cat([logits[row] for row in plain])
+            sampled, lost = sample_isolated(sample, rows, [batch.seqs[row] for row in plain])
+            failed += lost
         tokens = {plain[i]: [token] for i, token in sampled.items()}
         for row in ready:
             seq = batch.seqs[row]
             if seq.draft_ids:
                 try:
                     tokens[row] = self.speculator.verify(seq, logits[row])
-                except EngineDead:
+                except (EngineDead, IntegrityError):
                     raise
                 except Exception as error:
                     failed.append((seq, describe(error)))
