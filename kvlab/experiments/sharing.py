@@ -234,12 +234,14 @@ def fork_vs_separate(
     params: SamplingParams,
     block_size: int = 16,
     max_model_len: int = 1024,
+    batch_invariant: bool = False,
 ) -> tuple[dict[str, dict[str, float]], dict[str, pd.DataFrame]]:
     """`params.n` samples of one prompt two ways, prefix caching off in both: one request
     whose samples fork with copy-on-write, and n separate requests (seeds seed + i, which
-    are the seeds the forks use). Returns a summary per way and each run's step stats."""
+    are the seeds the forks use). Returns a summary per way and each run's step stats.
+    `batch_invariant`: EngineConfig.batch_invariant, so both ways draw from the same bits."""
     n = params.n
-    config = paged_config(block_size, max_model_len, n)
+    config = replace(paged_config(block_size, max_model_len, n), batch_invariant=batch_invariant)
     seeds = [None if params.seed is None else params.seed + i for i in range(n)]
     runs = {
         f"n={n}, copy-on-write": [params],
