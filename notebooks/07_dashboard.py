@@ -13,10 +13,10 @@
 # %% [markdown]
 # # 07 · The dashboard: every design side by side
 #
-# *Engine files shown here:* `kvlab/experiments/compare.py`, `kvlab/experiments/configs.py`
-# (config names), `kvlab/experiments/bench.py`, `kvlab/experiments/peers.py`,
-# `kvlab/viz/dashboard.py`; for vLLM, `kvlab/experiments/vllm_bench.py` and
-# `kvlab/experiments/vllm_peer.py`.
+# *Engine files shown here:* `kvlab/experiments/compare.py`, `kvlab/presets.py`
+# (config names), `kvlab/experiments/bench.py`, `kvlab/peers/hf.py`,
+# `kvlab/viz/dashboard.py`; for vLLM, `kvlab/peers/vllm_bench.py` and
+# `kvlab/peers/vllm_peer.py`.
 #
 # The earlier notebooks each took one idea on its own: paging, prefix sharing, quantized
 # KV, scheduling. This one puts them side by side on **one workload, one model and one KV
@@ -55,7 +55,9 @@ import kvlab
 from kvlab import workloads
 from kvlab.experiments.bench import DEFAULT_PEERS, BenchResult, run_bench
 from kvlab.experiments.compare import compare
-from kvlab.experiments.vllm_peer import vllm_missing
+from kvlab.peers.vllm_peer import vllm_missing
+from kvlab.viz.bench import bench_figure
+from kvlab.viz.compare import comparison_figures
 from kvlab.viz.dashboard import Dashboard
 from kvlab.workloads import encode_requests
 
@@ -108,6 +110,7 @@ result = compare(
     budget_bytes=budget,
     max_model_len=MAX_MODEL_LEN,
     workload=f"doc-qa, {N} requests",
+    batch_invariant=True,  # each answer independent of what shares its steps (notebook 15)
 )
 table = result.table()
 exact = [
@@ -141,11 +144,13 @@ print(table[exact].to_string())
 #   them is scheduled (as in vLLM V1), so the same `prefix_hit_rate`.
 #
 # The cache decides where K/V live, not what the model computes, so naive, paged and
-# paged+prefix produce the same greedy tokens; int8 rounds K/V, and may change a few:
+# paged+prefix produce the same greedy tokens; int8 rounds K/V, and may change a few.
+# The designs run different numbers of requests at once, and in fp32 the order of a
+# sum depends on the batch (notebook 15), so the comparison runs in batch-invariant
+# mode: each request's logits are the same bits whatever shares its steps, and the
+# counts below do not move with threads or machine load.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
-# (int8's count moves with float rounding: threads, machine load)
 outputs = {name: run.outputs for name, run in result.runs.items()}
 for name in outputs:
     same = sum(a == b for a, b in zip(outputs["naive"], outputs[name]))
@@ -171,7 +176,7 @@ print(table[["wall_s", "tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s"]].to_st
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-figures = result.figures()
+figures = comparison_figures(result)
 figures["memory"].show()
 
 # %%
@@ -189,11 +194,11 @@ figures["latency"].show()
 # JSON is saved in `benchmarks/results/`:
 #
 # ```
-# kvlab compare --workload doc-qa --n 16 --budget 4096tok --json > compare_doc_qa.json
+# kvlab compare --workload doc-qa --n 16 --budget 4096tok --json > compare_doc_qa.unrecorded.json
 # ```
 
 # %%
-saved = json.loads((RESULTS / "compare_doc_qa.json").read_text())
+saved = json.loads((RESULTS / "compare_doc_qa.unrecorded.json").read_text())
 full = pd.DataFrame.from_dict(saved["configs"], orient="index")
 print(full[["peak_concurrent", "waste_frac", "prefix_hit_rate", "output_tokens"]].to_string())
 ratio = full.loc["paged+prefix+int8", "peak_concurrent"] / full.loc["naive", "peak_concurrent"]
@@ -219,7 +224,7 @@ print(f"peak concurrent sequences, paged+prefix+int8 / naive: {ratio:.1f}")
 #   caching on), in a process and venv of its own (`make peers` builds `.venv-vllm`),
 #   given the same KV bytes. Its engine is built once before the timed rounds; its load
 #   time is reported apart (`meta["vllm"]`). kvlab drives it from
-#   `kvlab/experiments/vllm_bench.py` and `vllm_peer.py`; `vllm_worker.py` is the script
+#   `kvlab/peers/vllm_bench.py` and `vllm_peer.py`; `vllm_worker.py` is the script
 #   `.venv-vllm`'s python runs.
 #
 # Greedy, each request's own `max_new_tokens`, EOS ignored, one system after the other.
@@ -233,8 +238,8 @@ print(f"peak concurrent sequences, paged+prefix+int8 / naive: {ratio:.1f}")
 # %%
 # NBVAL_IGNORE_OUTPUT
 benches = {
-    "doc-QA": BenchResult.load(RESULTS / "bench_doc_qa.json"),
-    "uniform chat": BenchResult.load(RESULTS / "bench_uniform_chat_vllm.json"),
+    "doc-QA": BenchResult.load(RESULTS / "bench_doc_qa_hf.unrecorded.json"),
+    "uniform chat": BenchResult.load(RESULTS / "bench_uniform_chat_peers.avx512.json"),
 }
 for name, bench in benches.items():
     print(f"{name}: {bench.meta['requests']} requests, {bench.meta['machine']}, saved run")
@@ -246,23 +251,25 @@ for name, bench in benches.items():
     print("token agreement with kvlab:", bench.meta.get("token_agreement", "not recorded"), "\n")
 with_vllm = benches["uniform chat"]
 with_vllm.workload = "uniform chat, 16 x 64 tokens (saved run)"
-with_vllm.figure().show()
+bench_figure(with_vllm).show()
 
 # %% [markdown]
 # A small live run proves the plumbing on your machine: four chat prompts, four new
 # tokens each, every system, vLLM included where `make peers` has built it. vLLM runs
-# its whole engine in one process here (`vllm_inproc=True`: one import of vLLM instead of
-# three, so it starts in seconds, not half a minute; the saved runs above use its default
-# processes). Every system produces the same number of tokens, and the greedy answers
-# agree up to the first end-of-sequence token:
+# eagerly here (`vllm-eager`, reported as "vllm (eager)") and its whole engine in one
+# process (`vllm_inproc=True`), so it starts in seconds: compiling its model, vLLM's
+# default and what `kvlab bench --peers vllm` runs, takes minutes on a CPU. One timed
+# round after an untimed pass. Every system produces the same number of tokens, and the
+# greedy answers agree up to the first end-of-sequence token:
 
 # %%
 missing = vllm_missing()
-peers = DEFAULT_PEERS if missing else (*DEFAULT_PEERS, "vllm")
+peers = DEFAULT_PEERS if missing else (*DEFAULT_PEERS, "vllm-eager")
 live = run_bench(
     model,
     workloads.uniform_chat(4, max_new_tokens=4),
     peers=peers,
+    rounds=1,
     workload="uniform chat x 4",
     vllm_inproc=True,
 )
@@ -279,10 +286,11 @@ for name in ("kvlab", *DEFAULT_PEERS):
 if missing:
     print(f"vLLM not run live ({missing}): its bars above are from the saved run")
 else:
-    print(f"vllm {live.systems['vllm'].output_tokens} tokens, agrees: {agree['vllm']}")
+    eager = live.systems["vllm (eager)"]
+    print(f"vllm (eager) {eager.output_tokens} tokens, agrees: {agree['vllm (eager)']}")
 print(live.table().to_string())
 print(live.ratios())
-live.figure().show()
+bench_figure(live).show()
 
 # %% [markdown]
 # ## 6 · The dashboard
@@ -301,7 +309,7 @@ dash = Dashboard(
     n=N,
     budget_mib=budget / 2**20,
     initial=result,
-    bench=RESULTS / "bench_doc_qa.json",
+    bench=RESULTS / "bench_doc_qa_hf.unrecorded.json",
     workload_options={"doc-qa": {"seed": SEED}, "uniform-chat": {"max_new_tokens": 8}},
 )
 dash.widget()
