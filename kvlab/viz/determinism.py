@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvlab.viz.compare import PALETTE
+from kvlab.viz.style import palette_color
 
 
 def drift_figure(frame: pd.DataFrame, title: str) -> go.Figure:
@@ -36,8 +36,8 @@ def drift_figure(frame: pd.DataFrame, title: str) -> go.Figure:
 
 def cost_figure(saved: dict) -> go.Figure:
     """Median output tok/s per system and workload, whiskers from the slowest to the
-    fastest round, from benchmarks/batch_invariant.py's JSON."""
-    fig = go.Figure()
+    fastest round, from benchmarks/batch_invariant.py's JSON (stamped: its provenance)."""
+    fig, where = go.Figure(), saved.get("provenance", {})
     systems = list(next(iter(saved["workloads"].values()))["systems"])
     for index, name in enumerate(systems):
         rows = [run["systems"][name] for run in saved["workloads"].values()]
@@ -46,7 +46,7 @@ def cost_figure(saved: dict) -> go.Figure:
             name=name,
             x=list(saved["workloads"]),
             y=median,
-            marker_color=PALETTE[index % len(PALETTE)],
+            marker_color=palette_color(index),
             error_y={
                 "type": "data",
                 "symmetric": False,
@@ -57,7 +57,7 @@ def cost_figure(saved: dict) -> go.Figure:
     fig.update_layout(
         barmode="group",
         title=f"Output tok/s, median of {saved['rounds']} alternating rounds<br>"
-        f"<sup>{saved['cpu']}, {saved['date']}</sup>",
+        f"<sup>{where.get('machine', saved['machine'])}, {where.get('date', '')}</sup>",
         yaxis_title="output tok/s",
         height=400,
     )
