@@ -22,12 +22,12 @@ import sys
 
 import torch
 
-from kvlab.experiments import cpu_kernels
+from kvlab.checks import cpu_kernels
 from kvlab.experiments.scripts import report, script_parser
 
 CASES = [(0, 1650), (0, 400), (300, 800), (900, 40), (1000, 20)]  # (cached, new)
 QUICK_CASES = [(0, 40), (60, 8)]
-CHILD = "import json, sys; from kvlab.experiments import cpu_kernels as c; " \
+CHILD = "import json, sys; from kvlab.checks import cpu_kernels as c; " \
         "print(json.dumps(c.decode_after_matmul(**json.loads(sys.argv[1]))))"  # fmt: skip
 
 

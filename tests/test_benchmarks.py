@@ -230,10 +230,11 @@ def test_notebook_times_reports_errors_and_leaves_the_notebook(tmp_path):
     assert late["status"] == "ok" and late["within_budget"] is False
 
 
-SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
-# Scripts from the serve work (over kvlab.serve) and the vLLM oracle (it needs .venv-vllm
-# and one vLLM engine per budget whatever the size) that have no --quick mode yet.
-NO_QUICK_YET = {"serve_soak", "serve_vs_vllm", "vllm_oracle"}
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "stamp")
+# Scripts from the serve work (over kvlab.serve: serve processes, floods, replicas behind a
+# router) and the vLLM oracle (it needs .venv-vllm and one vLLM engine per budget whatever
+# the size) that have no --quick mode yet. stamp.py is a tool, not a benchmark.
+NO_QUICK_YET = {"serve_soak", "serve_vs_vllm", "vllm_oracle", "tenant_flood", "replicas"}
 
 
 # Every script's --help, run as `python benchmarks/<name>.py --help` would run it (as

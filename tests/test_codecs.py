@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
+from kvlab.build import check_config
 from kvlab.cache import make_cache
 from kvlab.cache.codecs import CODECS, StoredKV
 from kvlab.cache.codecs.quant import group_size
@@ -252,8 +253,9 @@ def test_a_byte_budget_buys_budget_over_bytes_per_token_slots(name):
 
 
 def test_bad_codec_names_are_rejected():
+    """Named when an engine is built (kvlab.build.check_config; config.py is a leaf)."""
     with pytest.raises(ValueError, match="EngineConfig.kv_codec='int3' is unknown"):
-        EngineConfig(kv_codec="int3")
+        check_config(EngineConfig(kv_codec="int3"))
 
 
 def test_kivi2_needs_blocks_of_whole_key_groups():

@@ -117,7 +117,7 @@ def test_the_audit_finds_a_cross_tenant_hit_when_salts_are_ignored(tiny_model, m
 def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model):
     limits = ServeLimits(tenant_max_running=1, tenant_max_queued=1, retry_after_s=3)
     engine = kvlab.Engine(tiny_model, engine_config("paged+prefix", max_model_len=256))
-    long = {"prompt": [7, 8, 9], "max_tokens": 150, "ignore_eos": True, "stream": True}
+    long = {"prompt": [7, 8, 9], "max_tokens": 250, "ignore_eos": True, "stream": True}
     with ServerThread(engine, tenants=KEYS, limits=limits) as server:
         url = f"{server.url}/v1/completions"
 
