@@ -29,6 +29,7 @@ from kvlab.integrity import EngineDead, IntegrityError
 from kvlab.sequence import Sequence
 
 Failure = tuple[Sequence, str]  # a row that failed alone, and why
+NEVER_ISOLATED = (EngineDead, IntegrityError)  # not one request's fault: the step raises
 
 
 def group_of(seq: Sequence) -> int:
@@ -57,7 +58,7 @@ def _run(attempt: Callable, batch) -> tuple[dict, list[Failure]]:
     try:
         logits = attempt(batch)
         return {id(s): (n, row) for (s, n), row in zip(batch, logits)}, []
-    except (EngineDead, IntegrityError):
+    except NEVER_ISOLATED:
         raise
     except Exception as error:
         groups = list(dict.fromkeys(group_of(s) for s in batch.seqs))
@@ -96,7 +97,7 @@ def sample_isolated(sample: Callable, logits: torch.Tensor, seqs: list[Sequence]
     states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
     try:
         return dict(enumerate(sample(logits, seqs))), []
-    except (EngineDead, IntegrityError):
+    except NEVER_ISOLATED:
         raise
     except Exception:
         tokens, failed = {}, []

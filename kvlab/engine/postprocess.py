@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.engine.isolation import describe, group_of, sample_isolated
+from kvlab.engine.isolation import NEVER_ISOLATED, describe, group_of, sample_isolated
 from kvlab.engine.outputs import RequestMetrics, RequestOutput, Sample
 from kvlab.engine.sampler import sample
 from kvlab.engine.scheduler import Batch
-from kvlab.integrity import EngineDead, IntegrityError
 from kvlab.sequence import RequestState, Sequence
 
 
@@ -67,7 +66,7 @@ class Postprocess:
             if seq.draft_ids:
                 try:
                     tokens[row] = self.speculator.verify(seq, logits[row])
-                except (EngineDead, IntegrityError):
+                except NEVER_ISOLATED:
                     raise
                 except Exception as error:
                     failed.append((seq, describe(error)))
@@ -79,7 +78,7 @@ class Postprocess:
             return [seq]
         try:
             return [seq, *self._fork(seq, logits[-1])]
-        except EngineDead:
+        except NEVER_ISOLATED:
             raise
         except Exception as error:
             failed.append((seq, describe(error)))
