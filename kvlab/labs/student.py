@@ -118,7 +118,14 @@ def generate(name: str, labs: Path = LABS) -> tuple[str, str]:
 
     source = nbformat.read(labs / "source" / name / f"{name}.ipynb", as_version=4)
     nb = student_version(source)
-    return nbformat.writes(nb) + "\n", jupytext.writes(nb, fmt="py:percent")
+    return nbformat.writes(nb) + "\n", without_tool_version(jupytext.writes(nb, fmt="py:percent"))
+
+
+def without_tool_version(text: str) -> str:
+    """jupytext's header without the `jupytext_version:` line: a generated file holds what
+    the source says, not which release of the tool wrote it (a new release on PyPI must
+    not make the committed copies stale)."""
+    return re.sub(r"(?m)^#\s+jupytext_version: .*\n", "", text)
 
 
 def stale(labs: Path = LABS) -> list[Path]:
