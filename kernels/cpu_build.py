@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("cpu_pool.c", "cpu_decode.c", "cpu_prefill.c"))
+SOURCES = tuple(
+    HERE / name for name in ("cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_invariant.c")
+)
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_tiles.h")
 FLAG_SETS = (  # tried in order: -march=native is fastest but not every compiler has it
     ("-O3", "-march=native", "-shared", "-fPIC", "-pthread"),

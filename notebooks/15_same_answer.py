@@ -80,14 +80,16 @@ rows = matmul_rows(gate_up.detach())
 print(rows.pivot(index=["matmul", "threads"], columns="rows", values="same_bits"))
 
 # %% [markdown]
-# `F.linear` calls MKL's sgemm, which is what Hugging Face transformers runs: one row
-# alone takes another path than a batch of rows, so a request's logits change as soon
-# as it has company. kvlab's linears (`kvlab/model/linear.py`) go through oneDNN with
-# each weight reordered once, whose kernel accumulates every output over the input
-# dimension in one order for any row count and thread count: on this CPU, row 0 keeps
-# its bits. So in kvlab the drift comes from elsewhere: **attention**, whose CPU kernel
-# (`scaled_dot_product_attention`) splits its work by the shape of the whole step (how
-# many rows, how many threads) and reads a decode group padded to its longest member.
+# `F.linear` calls MKL's sgemm, which is what Hugging Face transformers runs: on many CPUs
+# one row alone takes another path than a batch of rows, so a request's logits change as
+# soon as it has company. kvlab's default linears (`kvlab/model/linear.py`) go through
+# oneDNN with each weight reordered once; whether row 0 keeps its bits there depends on
+# which kernels oneDNN picks **on this CPU** (on the AVX2 EPYC it did; on an AVX-512 + AMX
+# Xeon it did not). The third matmul, `kvlab invariant`, is batch-invariant mode's
+# (`kernels/cpu_invariant.c`): its order is written down, so its row keeps its bits on any
+# CPU. Attention drifts too: its CPU kernel (`scaled_dot_product_attention`) splits its
+# work by the shape of the whole step and reads a decode group padded to its longest
+# member.
 
 # %% [markdown]
 # ## 2 · The same prompts, five ways
@@ -200,18 +202,17 @@ drift_figure(int8, "int8 KV: where each answer parts from its run alone").show()
 # "Defeating Nondeterminism in LLM Inference") makes every reduction in a request's
 # forward run in an order that depends on that request alone:
 #
-# * **linears** keep oneDNN's reordered matmuls (row-invariant, as section 1 measured);
-#   a weight that is not reordered goes through `F.linear` with its rows padded to a
-#   multiple of 16, where MKL keeps one code path;
-# * **RMSNorm, RoPE, SwiGLU** work row by row already;
-# * **attention** (`kvlab/model/invariant_attention.py`): scores and values as matmuls
-#   whose rows and columns are padded to multiples of 16 and whose sums run over
-#   64-key blocks of the row's own context, the blocks added left to right (a cumulative
-#   sum), the keys a row may not see adding exact zeros. A decode is computed exactly
-#   like the same row inside a prompt. With `attention="kernels"` every row goes through
-#   the native prompt kernel (`kernels/cpu_prefill.c`), one call for the whole step: it
-#   already computes each row in its own vector lanes over key chunks aligned at
-#   position 0.
+# * **linears**: kvlab's own dot products (`kernels/cpu_invariant.c`), each output summed
+#   in 16 lanes and a fixed tree by one thread, never fused into FMAs: section 1's
+#   `kvlab invariant` row, on any CPU;
+# * **RMSNorm** sums its squares through the same dot product; **SwiGLU**'s e^x and
+#   **RoPE**'s cos and sin go through one code path for every element;
+# * **attention** (`kvlab/model/invariant_attention.py`): scores and values through the
+#   same dot products, the keys a row may not see adding exact zeros, so a decode is
+#   computed exactly like the same row inside a prompt. With `attention="kernels"` every
+#   row goes through the native prompt kernel (`kernels/cpu_prefill.c`), one call for
+#   the whole step: it computes each row in its own vector lanes over key chunks aligned
+#   at position 0.
 #
 # The scheduler is untouched: it still batches, chunks and shares prefixes as it likes.
 # The same settings again, int8 KV, in batch-invariant mode:

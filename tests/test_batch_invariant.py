@@ -11,9 +11,8 @@ from conftest import hf_greedy
 import kvlab
 from kvlab.cache.pool import KVPool
 from kvlab.experiments.determinism import ALONE, Setting, compare_steps, matmul_rows, run
-from kvlab.model.invariant import InvariantAttention, PaddedLinears, kernel_runs
+from kvlab.model.invariant import InvariantAttention, InvariantLinears, kernel_runs
 from kvlab.model.invariant_attention import group_invariant, invariant_attention
-from kvlab.model.linear import Linears
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.runner import ModelRunner
 
@@ -47,6 +46,19 @@ def test_tiny_model_logits_are_the_same_bits_in_every_setting(tiny_model, attent
     reference = run(tiny_model, prompts, ALONE, new_tokens=6, base=base)
     for setting in SETTINGS:
         answers = run(tiny_model, prompts, setting, 6, base, companions)
+        assert differing(reference, answers) == 0, setting.name
+
+
+@pytest.mark.parametrize("attention", ["torch", "kernels"])
+def test_bf16_logits_are_the_same_bits_in_every_setting(tiny_model_path, attention):
+    """bf16 weights and K/V: the same guarantee (each product summed in fp32 in the fixed
+    order, rounded to bf16 once, as the default path rounds)."""
+    model = kvlab.load_model(tiny_model_path, device="cpu", dtype=torch.bfloat16, progress=False)
+    prompts, companions = prompts_of(model, 16)[:4], prompts_of(model, 16)[4:]
+    base = {"attention": attention, "block_size": 8, "batch_invariant": True}
+    reference = run(model, prompts, ALONE, new_tokens=6, base=base)
+    for setting in SETTINGS:
+        answers = run(model, prompts, setting, 6, base, companions)
         assert differing(reference, answers) == 0, setting.name
 
 
@@ -133,16 +145,44 @@ def test_kernels_path_runs_the_native_kernel_here(model):
     assert not kernel_runs("int8", 64, torch.device("cpu"))
 
 
-def test_padded_linears_keep_a_rows_bits_where_f_linear_does_not():
-    weight = torch.randn(1536, 576)  # SmolLM2's gate projection's shape
-    x = torch.randn(40, 576)
-    padded = PaddedLinears(Linears([]))  # nothing reordered: every call takes F.linear
-    alone = padded(x[:1], weight)
-    assert all(torch.equal(padded(x[:m], weight)[:1], alone) for m in (2, 3, 17, 40))
-    table = matmul_rows(weight, counts=(1, 2, 16))
-    plain = table[table["matmul"] == "F.linear (MKL)"]
-    assert not plain["same_bits"].all()  # MKL: one row alone takes another path
-    assert table[table["matmul"] != "F.linear (MKL)"]["same_bits"].all()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linears_keep_a_rows_bits_in_any_batch_on_any_thread_count(dtype):
+    """By construction, not by a library's habit on one CPU: row 0's bits alone equal its
+    bits among 2-40 rows, on 1 and 2 threads; and the product is x @ weight.T."""
+    weight = torch.randn(1536, 576).to(dtype)  # SmolLM2's gate projection's shape
+    x = torch.randn(40, 576).to(dtype)
+    linear = InvariantLinears()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = linear(x[:1], weight)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert all(torch.equal(linear(x[:m], weight)[:1], alone) for m in (2, 3, 17, 40))
+    finally:
+        torch.set_num_threads(before)
+    exact = (x.double() @ weight.double().T).to(dtype)
+    torch.testing.assert_close(linear(x, weight), exact, rtol=1e-2, atol=1e-2)
+    table = matmul_rows(weight.float(), counts=(1, 2, 16))
+    assert table[table["matmul"] == "kvlab invariant"]["same_bits"].all()
+
+
+def test_invariant_kernels_keep_a_rows_bits_inside_a_longer_product():
+    """Zero terms past a row's end add nothing: a softmax row over 40 keys gets the same
+    bits inside 1,000 keys (the attention's value product), and e^-inf is 0."""
+    from kvlab.kernels.cpu_invariant import invariant_bmm, invariant_exp
+
+    weights = torch.rand(3, 1000)
+    weights[:, 40:] = 0.0
+    values = torch.randn(1, 65, 1000)
+    long = invariant_bmm(weights[None], values)
+    short = invariant_bmm(weights[None, :, :40].contiguous(), values[:, :, :40].contiguous())
+    assert torch.equal(long, short)
+    scores = torch.randn(37)
+    scores[5] = float("-inf")
+    exp = invariant_exp(scores)
+    assert exp[5] == 0 and torch.equal(invariant_exp(scores[:9]), exp[:9])
+    torch.testing.assert_close(exp, scores.exp())
 
 
 def test_config_names_what_batch_invariant_mode_needs():

@@ -175,13 +175,20 @@ def matmul_rows(
     weight: torch.Tensor, counts: tuple[int, ...] = (1, 2, 4, 16, 64), threads=(1, 2)
 ) -> pd.DataFrame:
     """Whether row 0 of x @ weight.T gets the same bits when x has `count` rows, for
-    F.linear (MKL's sgemm, what HF transformers runs) and kvlab's Linears (oneDNN over
-    the weight reordered once), on 1 and 2 threads. Compared with one row, one thread."""
+    F.linear (MKL's sgemm, what HF transformers runs), kvlab's Linears (oneDNN over the
+    weight reordered once; the default mode) and kvlab's invariant linears (batch-invariant
+    mode), on 1 and 2 threads. Compared with one row, one thread. What the libraries do
+    depends on the CPU; the invariant linears keep the bits by construction."""
+    from kvlab.model.invariant import InvariantLinears
     from kvlab.model.linear import Linears
 
     x = torch.randn(max(counts), weight.shape[1], generator=torch.Generator().manual_seed(0))
     linear = Linears([weight])
-    kernels = {"F.linear (MKL)": F.linear, "kvlab Linears (oneDNN)": linear}
+    kernels = {
+        "F.linear (MKL)": F.linear,
+        "kvlab Linears (oneDNN)": linear,
+        "kvlab invariant": InvariantLinears(),
+    }
     before, rows = torch.get_num_threads(), []
     try:
         for name, kernel in kernels.items():

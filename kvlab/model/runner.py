@@ -64,6 +64,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up."""
+    return F.silu(gate).mul_(up)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, the reference's RoPE bit for bit, in fewer passes
     (no negated or concatenated copy of x): x (T, heads, head_dim), cos and sin broadcast
@@ -110,10 +115,14 @@ class ModelRunner:
             fused = _FUSED[hf_model] = FusedModel([self._layer_weights(x) for x in base.layers])
         self.layers, self.linear = self._weights(fused)
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        if batch_invariant:
-            from kvlab.model.invariant import invariant_linears
+        self.norm, self.silu_mul = rms_norm, silu_mul
+        if batch_invariant:  # every reduction in kvlab's fixed order (kvlab.model.invariant)
+            from kvlab.model import invariant
 
-            self.linear = invariant_linears(self.linear, self.device)
+            invariant.check_invariant_runs(self.device)
+            self.linear = invariant.InvariantLinears()
+            self.norm, self.silu_mul = invariant.invariant_rms_norm, invariant.invariant_silu_mul
+            self.rope = invariant.InvariantRope(self.inv_freq, self.rope_scale, self.dtype)
 
     def _weights(self, fused: FusedModel) -> tuple[list[LayerWeights], Linears]:
         """The layers this runner computes and their matmuls: the whole model's, the
@@ -177,7 +186,7 @@ class ModelRunner:
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for index, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, self.eps)
+            x = self.norm(h, w.input_norm, self.eps)
             q, k, v = self.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
@@ -186,11 +195,11 @@ class ModelRunner:
             pool.write(index, meta.slot_mapping, k, v)
             attn = self.attention_fn(q, index, pool, meta, self.scale)  # (T, heads, head_dim)
             h += self.reduce(self.linear(attn.reshape(-1, n_q), w.o))  # h is this step's own
-            x = rms_norm(h, w.post_norm, self.eps)
+            x = self.norm(h, w.post_norm, self.eps)
             gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
-            h += self.reduce(self.linear(F.silu(gate).mul_(up), w.down))
+            h += self.reduce(self.linear(self.silu_mul(gate, up), w.down))
         if logits_at is not None:
             h = h[logits_at]  # (R, hidden)
         elif not all_logits:
             h = h[meta.last_token_index]  # (B, hidden)
-        return self.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head).float()
+        return self.linear(self.norm(h, self.final_norm, self.eps), self.lm_head).float()
