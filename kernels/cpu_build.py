@@ -3,6 +3,7 @@
     cpu_kernels_available()            True once the library is built and loaded (never raises)
     cpu_kernels_error()                why it is not, or None
     cpu_kernels_threads()              whose threads run the kernels: "openmp" or "own"
+    cpu_kernels_have(dtype)            whether this build computes in dtype
     native_function(name, argtypes)    an entry point of the library, its ctypes signature set
 
 SOURCES (the thread pool, the decode and the prompt kernels; cpu_common.h is what they
@@ -70,6 +71,13 @@ def cpu_kernels_threads() -> str | None:
     pthreads, None when the library is unavailable."""
     _library()
     return _state.get("threads")
+
+
+def cpu_kernels_have(dtype: torch.dtype) -> bool:
+    """Whether this build of the native kernels computes in `dtype` (float16 needs the
+    compiler's _Float16); False where the library is unavailable."""
+    lib = _library()
+    return lib is not None and dtype in DTYPES and bool(lib.kvlab_dtype_supported(DTYPES[dtype]))
 
 
 def native_function(name: str, argtypes: list, *dtypes: torch.dtype):

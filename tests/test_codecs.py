@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
+from kvlab import texts
 from kvlab.build import check_config
 from kvlab.cache import make_cache
 from kvlab.cache.codecs import CODECS, StoredKV
+from kvlab.cache.codecs.kivi2 import Kivi2
 from kvlab.cache.codecs.quant import group_size
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
@@ -278,10 +280,29 @@ def test_the_engine_generates_through_every_codec(model, chat_prompts, name):
 
 
 @pytest.mark.slow
-def test_kivi2_runs_in_the_naive_cache_too(model, chat_prompts):
-    config = EngineConfig(cache="naive", kv_codec="kivi2", max_model_len=128, kv_budget_tokens=256)
-    [out] = kvlab.Engine(model, config).generate(chat_prompts[:1], kvlab.SamplingParams(4))
-    assert len(out.token_ids) >= 1
+def test_kivi2_runs_in_the_naive_cache_too(model):
+    """The naive cache gives kivi2 the groups the paged one does (16 consecutive positions
+    of one sequence, from a 16-aligned offset), so the greedy tokens equal the paged kivi2
+    run's; and until a sequence fills its first group, every read comes from the exact
+    window, so its tokens equal the full-precision cache's."""
+    params = kvlab.SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+    def greedy(cache: str, kv_codec: str | None, prompts) -> list[list[int]]:
+        config = EngineConfig(
+            cache=cache, kv_codec=kv_codec, max_model_len=128, kv_budget_tokens=256
+        )
+        return [out.token_ids for out in kvlab.Engine(model, config).generate(prompts, params)]
+
+    ids = model.tokenizer.encode(texts.heldout())
+    # 44 and 37 tokens: two whole groups quantized at prefill, the rest in the window; the
+    # first completes its third group while decoding (position 47)
+    long = [ids[:44], ids[100:137]]
+    naive = greedy("naive", "kivi2", long)
+    assert naive == greedy("paged", "kivi2", long)
+    assert all(len(tokens) == 8 for tokens in naive)
+    short = [model.tokenizer.encode("The capital of France is")]
+    assert len(short[0]) + 8 - 1 < Kivi2.group  # the last token written stays in the window
+    assert greedy("naive", "kivi2", short) == greedy("naive", None, short)
 
 
 @pytest.mark.slow

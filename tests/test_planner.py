@@ -155,15 +155,23 @@ def test_planner_app_follows_its_widgets():
 
 
 @pytest.mark.parametrize(
-    ("cache", "max_model_len"), [("paged", 128), ("naive", 64)], ids=["paged", "naive"]
+    ("cache", "max_model_len", "expected"),
+    [("paged", 128, 6), ("naive", 64, 3)],  # by hand below
+    ids=["paged", "naive"],
 )
-def test_planner_matches_the_engines_measured_capacity(model, cache, max_model_len):
+def test_planner_matches_the_engines_measured_capacity(model, cache, max_model_len, expected):
     budget = 9_000_000  # bytes: ~195 token slots of SmolLM2's 46,080-byte fp32 KV
     check = check_against_engine(
         model, budget, prompt_len=24, output_len=8, cache=cache, max_model_len=max_model_len
     )
-    assert check.predicted == predict_engine_capacity(
-        model.config, budget, 32, cache, 16, None, model.dtype, max_model_len
-    )
-    assert check.predicted >= 3
+    # By hand from the config, not through the planner: K and V, every layer and kv head,
+    # fp32. 9,000,000 // 46,080 = 195 slots. Paged: 195 // 16 = 12 blocks, and a sequence
+    # of 24 + 8 = 32 tokens takes 2 of them: 6. Naive: 195 // max_model_len 64 = 3.
+    c = model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    slots = budget // per_token
+    by_hand = slots // 16 // 2 if cache == "paged" else slots // max_model_len
+    assert (per_token, slots, by_hand) == (46_080, 195, expected)
+    planned = predict_engine_capacity(c, budget, 32, cache, 16, None, model.dtype, max_model_len)
+    assert planned == expected and check.predicted == expected
     assert abs(check.error) <= 0.05, check

@@ -1,6 +1,7 @@
 """Tenants of `kvlab serve`: API keys (401), a salted prefix cache per tenant (and per
 cache_salt within one), per-tenant places and queues (429 with Retry-After), per-tenant
-series on /metrics, and the audit that reads the block tables for cross-tenant hits.
+series on /metrics, the audit that reads the block tables for cross-tenant hits, and the
+admin key that alone may flush the prefix cache every tenant shares (403 for a tenant).
 The tiny model serves; clients are the openai SDK and httpx.
 """
 
@@ -26,7 +27,8 @@ from kvlab.serve.limits import ServeLimits  # noqa: E402
 from kvlab.serve.tenants import Tenants, engine_salt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = Tenants((("sk-alice", "alice"), ("sk-bob", "bob")))
+ADMIN = "sk-admin"
+KEYS = Tenants((("sk-alice", "alice"), ("sk-bob", "bob")), admin_key=ADMIN)
 PROMPT = list(range(300, 348))  # 3 full blocks of 16
 
 
@@ -92,6 +94,58 @@ def test_tenants_never_share_blocks_and_cache_salt_splits_a_tenant(keyed, tiny_m
     assert audit["hit_blocks"] >= 6 and audit["cross_tenant_hits"] == 0
     assert audit["cross_tenant_shares"] == 0
     assert engine_salt("a", None) != engine_salt(None, "a")  # no cache_salt spells a tenant
+
+
+def test_only_the_admin_key_resets_the_prefix_cache(keyed, tiny_model):
+    """/reset_prefix_cache forgets every tenant's blocks, so a tenant's key gets 403 (in
+    OpenAI's error shape) and changes nobody's hits; the admin key's reset forgets them all."""
+    prompt = list(range(500, 548))  # 3 full blocks no other test here sends
+    url = f"{keyed.url}/reset_prefix_cache"
+
+    def cached(key: str) -> int:
+        reply = sdk(keyed, key).completions.create(
+            model=tiny_model.name, prompt=prompt, max_tokens=2
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    def reset(key: str | None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url, headers=headers, timeout=30)
+
+    def cached_blocks() -> int:
+        return on_engine(keyed, lambda engine: len(engine.cache.allocator.cached))
+
+    assert [cached("sk-alice"), cached("sk-alice")] == [0, 32]
+    held = cached_blocks()
+    denied = reset("sk-bob")
+    assert denied.status_code == 403
+    assert set(denied.json()) == {"error"}
+    error = denied.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "PermissionDeniedError" and error["code"] == 403
+    assert "--admin-api-key" in error["message"] and "cache_salt" in error["message"]
+    assert [reset(None).status_code, reset("sk-mallory").status_code] == [401, 401]
+    assert cached_blocks() == held and cached("sk-alice") == 32  # bob changed nothing
+    with pytest.raises(openai.AuthenticationError):  # the admin key is nobody's tenant key
+        sdk(keyed, ADMIN).completions.create(model=tiny_model.name, prompt=prompt, max_tokens=2)
+
+    assert reset(ADMIN).status_code == 200
+    assert cached_blocks() == 0  # every tenant's blocks, alice's among them
+    on_engine(keyed, lambda engine: engine.cache.check_integrity())
+    assert [cached("sk-alice"), cached("sk-alice")] == [0, 32]
+    on_engine(keyed, lambda engine: engine.cache.check_integrity())
+    assert on_engine(keyed, lambda engine: engine.cache.allocator.num_used) == 0
+
+
+def test_the_admin_key_is_its_own():
+    assert not Tenants().guards_admin  # an open server: admin routes open, as vLLM's dev mode
+    assert Tenants(admin_key="sk-admin").guards_admin and not Tenants(admin_key="sk-x").required
+    assert KEYS.is_admin("Bearer sk-admin") and not KEYS.is_admin("Bearer sk-alice")
+    assert not KEYS.is_admin(None) and KEYS.authenticate("Bearer sk-admin") is None
+    with pytest.raises(ValueError, match="must differ from every tenant's API key"):
+        Tenants((("sk-alice", "alice"),), admin_key="sk-alice")
+    with pytest.raises(ValueError, match="--admin-api-key must be a non-empty string"):
+        Tenants.from_flags(admin_key=" ")
 
 
 def test_the_audit_finds_a_cross_tenant_hit_when_salts_are_ignored(tiny_model, monkeypatch):

@@ -30,6 +30,12 @@ def add_arguments(srv: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help='a JSON object {"key": "tenant", ...}: each tenant its own prefix cache',
     )
+    srv.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key of the admin routes (/reset_prefix_cache); with tenant keys and "
+        "without it, nobody may flush the prefix cache",
+    )
     srv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="413 past it")
     srv.add_argument(
         "--tenant-max-running", type=int, default=None, help="a tenant's requests in the engine"
@@ -63,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     base = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     engine_config(args.config, **base)  # a bad config fails before the model loads
-    tenants = Tenants.from_flags(args.api_key, args.api_keys_file)  # these too
+    tenants = Tenants.from_flags(args.api_key, args.api_keys_file, args.admin_api_key)  # these too
     limits = ServeLimits(
         max_request_bytes=args.max_request_bytes,
         tenant_max_running=args.tenant_max_running,

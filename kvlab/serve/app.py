@@ -8,6 +8,9 @@ Retry-After). Only then does the engine loop see it; its verdict (the engine's o
 ValueErrors, e.g. a prompt past max_model_len, come back as 400s) decides whether the
 answer streams or is collected. Whatever one request raises on the way fails it alone
 (500); the bodies are described in the OpenAPI schema (/openapi.json).
+
+Admin routes (/reset_prefix_cache, whose effect reaches every tenant) take only the admin
+key on a server with keys (kvlab.serve.tenants).
 """
 
 from __future__ import annotations
@@ -146,12 +149,28 @@ def build_app(
         reason = loop.dead or "the engine loop is not running"
         return error_response(f"the engine cannot go on: {reason}", 503)
 
+    def admin_only(request: Request) -> Response | None:
+        """None if the caller may use an admin route: anyone on an open server, else the
+        admin key alone (401 without a known key, 403 with a tenant's)."""
+        authorization = request.headers.get("authorization")
+        if not tenants.guards_admin or tenants.is_admin(authorization):
+            return None
+        if tenants.authenticate(authorization) is None:
+            return error_response("this route needs the admin API key (--admin-api-key)", 401)
+        return error_response(
+            f"{request.url.path} is an admin route: it takes the admin API key "
+            "(--admin-api-key), not a tenant's; a fresh cache_salt gives a tenant a cold cache",
+            403,
+        )
+
     @app.post("/reset_prefix_cache", include_in_schema=False)
     async def reset_prefix_cache(request: Request) -> Response:
-        """vLLM's route (its dev mode): forget every cached block when no request holds
-        one; KV events report AllBlocksCleared. 409 while requests hold blocks."""
-        if tenants.required and tenants.authenticate(request.headers.get("authorization")) is None:
-            return error_response("a valid API key is required (Authorization: Bearer)", 401)
+        """vLLM's route (its dev mode): forget every cached block, every tenant's, when no
+        request holds one; KV events report AllBlocksCleared. 409 while requests hold
+        blocks. An admin route: see `admin_only`."""
+        denied = admin_only(request)
+        if denied is not None:
+            return denied
         reset = getattr(loop.engine.cache, "reset_prefix_cache", None)
         if reset is None:
             return error_response("this engine's cache keeps no prefix cache", 400)

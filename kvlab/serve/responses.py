@@ -37,6 +37,7 @@ class ResponseIds:
 ERROR_TYPES = {  # the openai SDK's names of its exceptions by status
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     413: "BadRequestError",
     429: "RateLimitError",
