@@ -155,6 +155,12 @@ test:
 	@$(MAKE) --no-print-directory -j4 --output-sync=target lint browser peers grading
 	KVLAB_REQUIRE_DEV=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
 
+# The inner loop (tests/conftest.py, FAST_TIER): the tiny model's tests and a real-model
+# smoke test, no servers, vLLM, browser, notebooks, wheel or docs. Under 3 minutes.
+test-fast: setup
+	KVLAB_TEST_TIER=fast KVLAB_REQUIRE_DEV=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder tests $(PYTEST_ARGS)
+
 bench: setup
 	$(BIN)/python benchmarks/bench_vs_hf.py
 

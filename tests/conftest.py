@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -103,10 +105,41 @@ def _run_once(config, items) -> None:
         items[:] = [item for item in items if item not in twice]
 
 
+# `make test-fast` (KVLAB_TEST_TIER=fast): the inner loop, under 3 minutes. No servers, no
+# vLLM, no browser, no notebooks, no wheel or docs build, no process faults; tests of the
+# tiny model run, and of the real model only those marked `smoke`.
+FAST_TIER = os.environ.get("KVLAB_TEST_TIER") == "fast"
+NOT_FAST = (
+    "test_browser.py", "test_docs.py", "test_wheel.py", "test_nbgrader_venv.py",
+    "test_labs_nbgrader.py", "test_engine_fuzz.py", "test_process_faults.py",
+    "test_tensor_parallel.py", "test_disagg.py", "test_route.py", "test_benchmarks.py",
+)  # fmt: skip
+NOT_FAST_PREFIXES = ("test_serve", "test_vllm", "test_spec_vllm")
+
+
+def _fast(item) -> bool:
+    """Whether an item belongs to the fast tier."""
+    name = item.path.name
+    if item.path.suffix == ".ipynb" or name in NOT_FAST or name.startswith(NOT_FAST_PREFIXES):
+        return False
+    return "model" not in getattr(item, "fixturenames", ()) or bool(
+        item.get_closest_marker("smoke")
+    )
+
+
+def _keep_fast(config, items) -> None:
+    slow = [item for item in items if not _fast(item)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if _fast(item)]
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
     """Each notebook run once, and the long units of work first (xdist hands them out in
-    collection order)."""
+    collection order); only the fast tier under `make test-fast`."""
+    if FAST_TIER:
+        _keep_fast(config, items)
     _run_once(config, items)
     seconds = _notebook_seconds()
 
@@ -139,6 +172,64 @@ def pytest_xdist_make_scheduler(config, log):
             return super()._split_scope(nodeid)
 
     return NotebookScheduling(config, log)
+
+
+# `make test` sets KVLAB_REQUIRE_DEV=1. There a `pytest.importorskip` of a package kvlab's
+# set-up installs (pyproject.toml: its dependencies and the `dev` extra) fails the test
+# instead of skipping it: the package missing means a broken install, not an optional part.
+# Genuinely optional things still skip: a GPU, vLLM's venv, chromium, nbgrader (the
+# `grading` extra), and any importorskip given a reason= of its own.
+REQUIRE_DEV = "KVLAB_REQUIRE_DEV"
+PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
+IMPORT_NAMES = {"pyzmq": "zmq", "pytest_xdist": "xdist", "import_linter": "importlinter"}
+IMPORTORSKIP = re.compile(r"could not import '([\w.]+)'")  # importorskip's own reason
+
+
+@cache
+def required_imports() -> frozenset[str]:
+    """Top-level import names of kvlab's dependencies and of its `dev` extra."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: kvlab's installed metadata lists the same
+        from importlib.metadata import requires
+
+        specs = [r for r in requires("kvlab") or () if "extra" not in r or '"dev"' in r]
+    else:
+        project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+        specs = project["dependencies"] + project["optional-dependencies"]["dev"]
+    dists = {re.match(r"[\w.-]+", spec).group(0).lower().replace("-", "_") for spec in specs}
+    return frozenset(IMPORT_NAMES.get(name, name) for name in dists)
+
+
+def fail_a_skipped_requirement(report) -> None:
+    """Under KVLAB_REQUIRE_DEV=1, turn `report`, if it is importorskip's skip of a package
+    kvlab requires, into a failure."""
+    if os.environ.get(REQUIRE_DEV) != "1" or not report.skipped:
+        return
+    if not isinstance(report.longrepr, tuple):  # (path, line, "Skipped: <reason>")
+        return
+    reason = report.longrepr[2]
+    found = IMPORTORSKIP.search(reason)
+    if found and found.group(1).partition(".")[0] in required_imports():
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{REQUIRE_DEV}=1 and a package kvlab's set-up installs (pyproject.toml) cannot "
+            f"be imported: the install is broken, so this fails instead of skipping.\n{reason}"
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield  # a module-level importorskip skips the whole module here
+    fail_a_skipped_requirement(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield  # an importorskip inside a test or a fixture
+    fail_a_skipped_requirement(report)
+    return report
 
 
 @pytest.fixture(autouse=True)

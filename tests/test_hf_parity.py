@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import hf_greedy, small_engine
 
@@ -13,6 +14,7 @@ from kvlab.model.runner import ModelRunner
 NEW_TOKENS = 32
 
 
+@pytest.mark.smoke  # make test-fast's real-model test
 def test_greedy_tokens_equal_hf_generate(model, chat_prompts):
     prompts = chat_prompts[:6]
     engine = small_engine(model)
