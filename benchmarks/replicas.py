@@ -3,8 +3,10 @@ multi-turn chat workload whose working set exceeds one replica's KV but fits thr
 
     .venv/bin/python benchmarks/replicas.py --rounds 5
     .venv/bin/python benchmarks/replicas.py --rounds 5 --vllm-router /tmp/vr/bin/vllm-router
+    .venv/bin/python benchmarks/replicas.py --quick --model PATH --out /tmp/replicas.json
 
-Replicas: `kvlab serve` processes (kvlab.route.replicas), the embedded model, paged cache
+Replicas: `kvlab serve` processes (kvlab.route.replicas), the embedded model (or --model
+PATH, a checkpoint directory), paged cache
 with hash prefix caching and vLLM's sha256_cbor block hashes, `--budget` KV tokens each,
 one thread each, publishing KV events over ZMQ. Routers: `kvlab route` as a process of
 its own (policies round-robin, least-loaded, approx-prefix, precise; switched through
@@ -28,8 +30,10 @@ vllm:prefix_cache_queries), TTFT p50/p99 at the client, output tokens per second
 per replica and the imbalance (the busiest replica's requests over the mean; 1.0 is even),
 and the load average. Per policy: median, min and max over rounds.
 
-Writes benchmarks/results/replicas.<machine class>.json with the provenance block
-(benchmarks/stamp.py: machine, CPU flags, date, command, rounds).
+Writes benchmarks/results/replicas.<machine class>.json (or --out) with the provenance
+block (benchmarks/stamp.py: machine, CPU flags, date, command, rounds). --quick: 2 replicas,
+2 sessions of 2 turns over 2 tenants (600-character documents), 4-token answers, 1 round,
+kvlab route's policies only.
 """
 
 from __future__ import annotations
@@ -57,7 +61,18 @@ from kvlab.route.sessions import run_chats, summary, tenant_sessions  # noqa: E4
 KVLAB_POLICIES = ("round-robin", "least-loaded", "approx-prefix", "precise")
 # The served model's name is its local path: vllm-router reads the tokenizer from there
 MODEL_PATH = str(cache_dir() / "models" / EMBEDDED_MODEL)
-TOKENIZER = None  # set in main: the client sends token ids (the chat template applied)
+# (full, --quick) sizes of the options that default to None
+SIZES = {
+    "replicas": (3, 2),
+    "budget": ("3072tok", "2048tok"),
+    "sessions": (12, 2),
+    "turns": (3, 2),
+    "tenants": (3, 2),
+    "doc_chars": (2500, 600),
+    "max_tokens": (32, 4),
+    "concurrency": (3, 2),
+    "rounds": (5, 1),
+}
 COUNTERS = {
     "vllm:prefix_cache_queries": "queries",
     "vllm:prefix_cache_hits": "hits",
@@ -114,14 +129,14 @@ def start_kvlab_route(replicas: ServeReplicas, log_dir: Path) -> tuple[str, subp
     return url, process
 
 
-def start_vllm_router(binary: str, policy: str, replicas: ServeReplicas, log_dir: Path):
+def start_vllm_router(binary: str, policy: str, replicas: ServeReplicas, log_dir: Path, model):
     port = free_port()
     argv = [binary, "--port", str(port), "--policy", policy,
             "--worker-urls", *[r.url for r in replicas.replicas],
             "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
             "--log-level", "warning"]  # fmt: skip
     if policy == "kv_aware":
-        argv += ["--kv-event-block-size", "16", "--kv-event-model", MODEL_PATH]
+        argv += ["--kv-event-block-size", "16", "--kv-event-model", model]
         for r in replicas.replicas:
             argv += ["--kv-event-source", f"{r.url}=tcp://127.0.0.1:{r.events_port}"]
             argv += ["--kv-event-replay-source", f"{r.url}=tcp://127.0.0.1:{r.replay_port}"]
@@ -148,13 +163,14 @@ def cold(replicas: ServeReplicas, router_url: str | None) -> None:
     raise RuntimeError("the router's index did not clear after the reset")
 
 
-def one_run(name, url, replicas, sessions, args, kvlab_route_url) -> dict:
+def one_run(name, url, replicas, sessions, args, kvlab_route_url, served, tokenizer) -> dict:
+    """One policy's run from cold; the client sends token ids (the chat template applied)."""
     cold(replicas, kvlab_route_url)
     before = {r.name: counters(r.url) for r in replicas.replicas}
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    turns = run_chats(url, MODEL_PATH, sessions, max_tokens=args.max_tokens,
-                      concurrency=args.concurrency, tokenizer=TOKENIZER)  # fmt: skip
+    turns = run_chats(url, served, sessions, max_tokens=args.max_tokens,
+                      concurrency=args.concurrency, tokenizer=tokenizer)  # fmt: skip
     wall = time.perf_counter() - started
     after = {r.name: counters(r.url) for r in replicas.replicas}
     delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in after}
@@ -192,41 +208,53 @@ def aggregate(rows: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--budget", default="3072tok", help="KV per replica")
-    parser.add_argument("--sessions", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--tenants", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 replicas, 2 short chats, 1 round")
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: embedded)")
+    parser.add_argument("--replicas", type=int, help="default 3 (--quick: 2)")
+    parser.add_argument("--budget", help="KV per replica: default 3072tok (--quick: 2048tok)")
+    parser.add_argument("--sessions", type=int, help="default 12 (--quick: 2)")
+    parser.add_argument("--turns", type=int, help="default 3 (--quick: 2)")
+    parser.add_argument("--tenants", type=int, help="default 3 (--quick: 2)")
+    parser.add_argument("--doc-chars", type=int, help="a document's length: 2500 (--quick: 600)")
+    parser.add_argument("--max-tokens", type=int, help="default 32 (--quick: 4)")
+    parser.add_argument("--concurrency", type=int, help="default 3 (--quick: 2)")
+    parser.add_argument("--rounds", type=int, help="default 5 (--quick: 1)")
     parser.add_argument("--policies", default=",".join(KVLAB_POLICIES))
     parser.add_argument(
         "--vllm-router",
-        default=shutil.which("vllm-router"),
-        help="the vllm-router binary (pip install vllm-router); none: skip it",
+        default=None,
+        help="the vllm-router binary (pip install vllm-router; default: on PATH, "
+        "except with --quick); none: skip it",
     )
     parser.add_argument("--vllm-router-policies", default="cache_aware,kv_aware")
     parser.add_argument(
         "--out", default=None, help="default benchmarks/results/replicas.<class>.json"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name, (full, quick) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.vllm_router is None:
+        args.vllm_router = "none" if args.quick else shutil.which("vllm-router")
+    served = args.model or MODEL_PATH  # the served name; vllm-router reads its tokenizer
     policies = [p for p in args.policies.split(",") if p]
     if args.vllm_router and args.vllm_router != "none":
         policies += [f"vllm-router:{p}" for p in args.vllm_router_policies.split(",") if p]
-    sessions = tenant_sessions(args.sessions, args.turns, args.tenants)
-    global TOKENIZER
+    sessions = tenant_sessions(
+        args.sessions, args.turns, args.tenants, max_doc_chars=args.doc_chars
+    )
     from kvlab.route.server import load_tokenizer
 
-    TOKENIZER = load_tokenizer(MODEL_PATH)
+    tokenizer = load_tokenizer(served)
     out = Path(args.out or Path(__file__).parent / "results" / f"replicas.{machine_class()}.json")
     log_dir = Path("/tmp/kvlab-replicas-bench")
     log_dir.mkdir(exist_ok=True)
     rows = []
-    replicas = ServeReplicas(args.replicas, budget=args.budget, threads=1, log_dir=str(log_dir),
-                             extra_args=("--served-model-name", MODEL_PATH))  # fmt: skip
+    replicas = ServeReplicas(args.replicas, budget=args.budget, model=args.model, threads=1,
+                             log_dir=str(log_dir),
+                             extra_args=("--served-model-name", served))  # fmt: skip
     with replicas as reps:
         route_url, route = start_kvlab_route(reps, log_dir)
         try:
@@ -235,9 +263,11 @@ def main() -> None:
                 for name in order:
                     if name.startswith("vllm-router:"):
                         url, process = start_vllm_router(args.vllm_router, name.split(":")[1],
-                                                         reps, log_dir)  # fmt: skip
+                                                         reps, log_dir, served)  # fmt: skip
                         try:
-                            row = one_run(name, url, reps, sessions, args, route_url)
+                            row = one_run(
+                                name, url, reps, sessions, args, route_url, served, tokenizer
+                            )
                         finally:
                             stop(process)
                     else:
@@ -245,7 +275,9 @@ def main() -> None:
                             route_url + "/router/policy", json={"policy": name}
                         ).raise_for_status()
                         httpx.post(route_url + "/router/reset").raise_for_status()
-                        row = one_run(name, route_url, reps, sessions, args, route_url)
+                        row = one_run(
+                            name, route_url, reps, sessions, args, route_url, served, tokenizer
+                        )
                     row["round"] = r
                     rows.append(row)
                     print(json.dumps({k: row[k] for k in ("round", "policy", "prefix_hit_rate",
@@ -253,7 +285,7 @@ def main() -> None:
                           flush=True)  # fmt: skip
         finally:
             stop(route)
-    command = "python benchmarks/replicas.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python benchmarks/replicas.py", *(sys.argv[1:] if argv is None else argv)])
     notes = (f"{args.replicas} kvlab serve replicas (1 thread each) on a 2-core machine shared "
              "with other work; load average recorded per run")  # fmt: skip
     report = {
@@ -271,6 +303,7 @@ def main() -> None:
                 "sessions",
                 "turns",
                 "tenants",
+                "doc_chars",
                 "max_tokens",
                 "concurrency",
             )
@@ -282,6 +315,7 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["summary"], indent=1))
     print(f"wrote {out}")
+    return report
 
 
 if __name__ == "__main__":

@@ -3,16 +3,17 @@ per-tenant limits (issue 37).
 
     python benchmarks/tenant_flood.py [--rounds 3] [--flooders 16] [--probes 6]
         [--out benchmarks/results/tenant_flood.json]
+    python benchmarks/tenant_flood.py --quick --model PATH   # 1 round, 4 flooders, 2 probes
 
-Serves the embedded model in this process (a thread on a free loopback port, API keys for
-tenants A and B, paged+prefix, max_num_seqs 8). In each round, A's `--flooders` clients
-send a 96-token prompt for 16 tokens, again as soon as each answer comes (on a 429 they
-wait 0.1 s); once the flood fills the engine, B sends `--probes` short requests one after
-another and times each first token over HTTP (streamed). Without limits, B queues behind
-A's whole flood; with `--tenant-max-running 2 --tenant-max-queued 8`, A holds at most 2
-places in the engine and B is admitted at the next step. The two settings alternate
-round by round (the machine's noise hits both); B's p50 / p99 are over every probe of
-every round, with each round's median beside them.
+Serves the embedded model (or --model) in this process (a thread on a free loopback
+port, API keys for tenants A and B, paged+prefix, max_num_seqs 8). In each round, A's
+`--flooders` clients send a 96-token prompt for 16 tokens, again as soon as each answer
+comes (on a 429 they wait 0.1 s); once the flood fills the engine, B sends `--probes`
+short requests one after another and times each first token over HTTP (streamed).
+Without limits, B queues behind A's whole flood; with `--tenant-max-running 2
+--tenant-max-queued 8`, A holds at most 2 places in the engine and B is admitted at the
+next step. The two settings alternate round by round (the machine's noise hits both); B's
+p50 / p99 are over every probe of every round, with each round's median beside them.
 """
 
 from __future__ import annotations
@@ -69,15 +70,21 @@ async def one_round(url: str, flooders: int, probes: int, server) -> tuple[list[
     return times, vars(count)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--flooders", type=int, default=16)
-    parser.add_argument("--probes", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="1 round, 4 flooders, 2 probes")
+    parser.add_argument("--rounds", type=int, help="default 3 (--quick: 1)")
+    parser.add_argument("--flooders", type=int, help="default 16 (--quick: 4)")
+    parser.add_argument("--probes", type=int, help="default 6 (--quick: 2)")
+    parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    sizes = {"rounds": (3, 1), "flooders": (16, 4), "probes": (6, 2)}  # (full, --quick)
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
 
-    model = kvlab.load_model(device="cpu", progress=False)
+    model = kvlab.load_model(args.model, device="cpu", progress=False)
     config = engine_config("paged+prefix", max_model_len=512, kv_budget_tokens=4096, max_num_seqs=8)
     rows = []
     for round_ in range(args.rounds):
@@ -108,7 +115,9 @@ def main() -> None:
         }
     result = {
         "what": "tenant B's TTFT (client side, streamed) while tenant A floods kvlab serve",
-        "command": "python " + " ".join(sys.argv),
+        "command": " ".join(
+            ["python benchmarks/tenant_flood.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "date": datetime.date.today().isoformat(),
         "machine": f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} cores, "
         f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f}",
@@ -124,6 +133,7 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    return result
 
 
 if __name__ == "__main__":

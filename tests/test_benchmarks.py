@@ -1,36 +1,25 @@
 """The scripts in benchmarks/, each run in its --quick mode on the tiny model.
 
 Each script's `main(argv)` returns the JSON it prints; the checks are on what is
-deterministic (counts, blocks, token equality), never on timings.
+deterministic (counts, blocks, token equality), never on timings. The two that start
+vLLM run where the other vLLM tests do: serve_vs_vllm in tests/test_serve_vllm_client.py,
+vllm_oracle in tests/test_vllm_oracle.py.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import nbformat
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str) -> ModuleType:
-    """benchmarks/<name>.py, imported (not run)."""
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import ROOT, load_script
 
 
 def run_script(name: str, model_path: Path, *extra: str) -> dict:
@@ -231,10 +220,7 @@ def test_notebook_times_reports_errors_and_leaves_the_notebook(tmp_path):
 
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "stamp")
-# Scripts from the serve work (over kvlab.serve: serve processes, floods, replicas behind a
-# router) and the vLLM oracle (it needs .venv-vllm and one vLLM engine per budget whatever
-# the size) that have no --quick mode yet. stamp.py is a tool, not a benchmark.
-NO_QUICK_YET = {"serve_soak", "serve_vs_vllm", "vllm_oracle", "tenant_flood", "replicas"}
+# stamp.py is a tool, not a benchmark.
 
 
 # Every script's --help, run as `python benchmarks/<name>.py --help` would run it (as
@@ -284,15 +270,7 @@ def test_every_script_explains_itself(name):
     assert " ".join(first.split()) in " ".join(script_help(name).split())  # argparse may re-wrap
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="no --quick mode yet"))
-        if n in NO_QUICK_YET
-        else n
-        for n in SCRIPTS
-    ],
-)
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_every_script_has_a_quick_mode(name):
     assert "--quick" in script_help(name)
 
@@ -341,3 +319,51 @@ def test_disaggregated(tiny_model_path, capsys):
     assert all(row["identical_to_colocated"] for row in setups.values())
     assert setups["disaggregated"]["bytes_moved"] > 0
     assert setups["disaggregated"]["transfers_rejected"] == 0
+
+
+def test_serve_soak_quick(tiny_model_path, tmp_path, capsys):
+    """8 streaming clients of two tenants, 2 requests each, on a server in this process."""
+    out = tmp_path / "serve_soak.json"
+    result = run_script("serve_soak", tiny_model_path, "--out", str(out))
+    assert json.loads(capsys.readouterr().out) == result == json.loads(out.read_text())
+    assert (result["clients"], result["requests"], result["distinct_prompts"]) == (8, 16, 4)
+    assert result["unexpected"] == [] and result["ok"] is True
+    assert result["completed"] > 0 and result["matched_solo"] == result["completed"]
+    assert result["bad_answered_4xx"] == result["bad_requests"]
+    assert result["server_up"] and result["leaked_blocks"] == result["crashes"] == 0
+    assert result["audit"]["findings"] == [] and result["audit"]["cross_tenant_hits"] == 0
+
+
+def test_tenant_flood_quick(tiny_model_path, tmp_path, capsys):
+    """One round of each setting: 4 clients of A flood, B times 2 first tokens."""
+    out = tmp_path / "tenant_flood.json"
+    result = run_script("tenant_flood", tiny_model_path, "--out", str(out))
+    printed = capsys.readouterr().out
+    assert json.loads(printed) == result == json.loads(out.read_text())
+    rows = result["rounds"]
+    assert [(r["round"], r["setting"]) for r in rows] == [(0, "no limits"), (0, "limits")]
+    assert all(len(r["b_ttft_s"]) == 2 and min(r["b_ttft_s"]) > 0 for r in rows)
+    assert all(r["a_completed"] > 0 for r in rows)
+    for name in ("no limits", "limits"):
+        summary = result["summary"][name]
+        assert 0 < summary["b_ttft_p50_s"] <= summary["b_ttft_p99_s"]
+        assert len(summary["round_medians_s"]) == 1
+
+
+def test_replicas_quick(tiny_model_path, tmp_path, capsys):
+    """2 `kvlab serve` processes behind `kvlab route`, each policy once on 2 chats of 2
+    turns; approx-prefix (the router's own record of what it sent where) sends a chat's
+    second turn home, where it hits."""
+    out = tmp_path / "replicas.json"
+    result = run_script("replicas", tiny_model_path, "--out", str(out))
+    assert json.loads(out.read_text()) == result
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert result["provenance"]["rounds"] == 1 and result["vllm_router"] == "none"
+    assert result["settings"]["replicas"] == 2
+    runs = {r["policy"]: r for r in result["runs"]}
+    assert list(runs) == ["round-robin", "least-loaded", "approx-prefix", "precise"]
+    for run in runs.values():
+        assert (run["turns"], run["output_tokens"]) == (4, 16)  # 2 chats x 2 turns x 4
+        assert sum(run["replica_requests"].values()) == 4 and run["preemptions"] == 0
+    assert runs["approx-prefix"]["later_turn_hit_rate"] > 0
+    assert set(result["summary"]) == set(runs)

@@ -7,11 +7,15 @@ core, while kvlab computes its side on the other.
 
 Checked per request: prefix-hit tokens (vLLM's RequestOutput.num_cached_tokens) and greedy
 tokens; per engine: KV capacity for a byte budget, peak running requests and preemptions.
+The last test runs benchmarks/vllm_oracle.py --quick (one more vLLM worker, a tiny model).
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from bench_scripts import load_script, vllm_tiny_checkpoint
 
 from kvlab.checks.vllm_oracle import BLOCK, BUDGETS, RUNS, block_bytes, run_oracle
 from kvlab.peers.vllm_peer import vllm_missing
@@ -73,3 +77,26 @@ def test_peak_running_and_preemptions_at_a_tight_budget(report):
     engine, outputs = report.kvlab["pressure", "together"]
     theirs = report.vllm["pressure", "together"]
     assert [o.metrics.preemptions for o in outputs] == theirs.num_preemptions
+
+
+def test_the_quick_script(model, tmp_path, capsys):
+    """benchmarks/vllm_oracle.py --quick on a tiny model vLLM's CPU attention takes: the
+    tight budget's run alone (one vLLM engine), every table printed and saved. The tiny
+    model's blocks are small, so the tight budget holds all eight answers at once."""
+    checkpoint = vllm_tiny_checkpoint(tmp_path / "tiny", model.tokenizer)
+    saved = tmp_path / "vllm_oracle.json"
+    argv = ["--quick", "--model", str(checkpoint), "--save", str(saved)]
+    data = load_script("vllm_oracle").main(argv)
+    assert json.loads(saved.read_text()) == data
+    assert "KV capacity" in capsys.readouterr().out
+    (name,) = data["capacity"]
+    row = data["capacity"][name]
+    assert name == "tight" and row["kv_bytes"] == BUDGETS["tight"][0]
+    assert row["kvlab_blocks"] == row["vllm_blocks"] == row["vllm_usable_blocks"] + 1
+    assert row["kvlab_tokens"] == row["vllm_logged_tokens"] == row["vllm_blocks"] * BLOCK
+    requests = data["requests"]
+    assert [(r["workload"], r["request"]) for r in requests] == [("pressure", i) for i in range(8)]
+    assert all(r["tokens_identical"] for r in requests)
+    assert [r["kvlab_hit_tokens"] for r in requests] == [r["vllm_hit_tokens"] for r in requests]
+    assert data["pressure"]["kvlab"] == data["pressure"]["vllm"]
+    assert data["pressure"]["kvlab"]["peak_running"] == 8

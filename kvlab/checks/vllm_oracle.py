@@ -3,6 +3,7 @@
     report = run_oracle(model)  # one vLLM worker for everything (a minute or two)
     report.capacity()           # KV blocks / tokens for a byte budget, both sides
     report.requests()           # per request: prefix-hit tokens and tokens, both sides
+    run_oracle(model, runs=QUICK_RUNS)  # the tight budget's run alone: one vLLM engine
 
 vLLM (`.venv-vllm`, kvlab.peers.vllm_peer) loads kvlab's safetensors copy of the
 embedded model; both sides use block size 32 (vLLM's CPU attention takes multiples of
@@ -44,6 +45,9 @@ RUNS = {
     "shared-prefix-chat": ("roomy", ARRIVALS),
     "pressure": ("tight", ("together",)),
 }
+# The smallest oracle that still fills every table (benchmarks/vllm_oracle.py --quick):
+# one budget, so one vLLM engine; the capacity of that budget only.
+QUICK_RUNS = {"pressure": ("tight", ("together",))}
 
 
 def block_bytes(model: LoadedModel) -> int:
@@ -91,15 +95,17 @@ def oracle_workloads(model: LoadedModel) -> dict[str, list[Request]]:
     }
 
 
-def ask_vllm(model: LoadedModel, traffic: dict[str, list[Request]]) -> dict:
-    """Every vLLM answer of RUNS from one worker: {budget name: VllmEngine,
-    (workload, arrival): VllmRun}."""
+def ask_vllm(model: LoadedModel, traffic: dict[str, list[Request]], runs: dict = RUNS) -> dict:
+    """Every vLLM answer of `runs` from one worker, one engine per budget they use:
+    {budget name: VllmEngine, (workload, arrival): VllmRun}."""
     answers = {}
     with VllmPeer(threads=1, inproc=True) as peer:
         for name, (budget, length) in BUDGETS.items():
+            if all(where != name for where, _ in runs.values()):
+                continue
             args = vllm_engine_args(model, budget, length, BLOCK, MAX_SEQS, STEP_TOKENS)
-            answers[name] = peer.start(args)
-            for workload, (where, arrivals) in RUNS.items():
+            answers[name] = peer.start(args, stats=True)  # peak running, preemptions
+            for workload, (where, arrivals) in runs.items():
                 if where != name:
                     continue
                 requests = traffic[workload]
@@ -129,16 +135,18 @@ def kvlab_side(model: LoadedModel, requests: list[Request], budget: str, arrival
 
 @dataclass
 class OracleReport:
-    """Both sides of every run of RUNS."""
+    """Both sides of every run of RUNS (or of the runs `run_oracle` was given)."""
 
     model: LoadedModel
     vllm: dict  # from ask_vllm
     kvlab: dict  # (workload, arrival) -> (engine, outputs)
 
     def capacity(self) -> pd.DataFrame:
-        """Per budget: blocks and token slots for the bytes, kvlab and vLLM."""
+        """Per budget vLLM ran: blocks and token slots for the bytes, kvlab and vLLM."""
         rows = {}
         for name, (budget, length) in BUDGETS.items():
+            if name not in self.vllm:
+                continue
             cache = Engine(self.model, oracle_config(self.model, budget, length)).cache
             theirs = self.vllm[name]
             rows[name] = {
@@ -182,18 +190,18 @@ class OracleReport:
         )
 
 
-def run_oracle(model: LoadedModel) -> OracleReport:
-    """Every run of RUNS on both sides: vLLM in a thread (its own process, one core),
-    kvlab meanwhile in this thread on one torch thread."""
+def run_oracle(model: LoadedModel, runs: dict = RUNS) -> OracleReport:
+    """Every run of `runs` (RUNS, or some of them) on both sides: vLLM in a thread (its
+    own process, one core), kvlab meanwhile in this thread on one torch thread."""
     traffic = oracle_workloads(model)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(1) as pool:
-            answers = pool.submit(ask_vllm, model, traffic)
+            answers = pool.submit(ask_vllm, model, traffic, runs)
             ours = {
                 (workload, arrival): kvlab_side(model, traffic[workload], budget, arrival)
-                for workload, (budget, arrivals) in RUNS.items()
+                for workload, (budget, arrivals) in runs.items()
                 for arrival in arrivals
             }
             return OracleReport(model, answers.result(), ours)
