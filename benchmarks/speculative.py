@@ -7,8 +7,12 @@ One run (kvlab.experiments.speculative): at batch 1 on doc-QA (answers quote a ~
 token document) and chat prompts, kvlab without speculation, with n-gram drafting at
 each k and with its self-speculative "layers" draft, and HF `generate`, plain and with
 `prompt_lookup_num_tokens=k`, and (where `make peers` built .venv-vllm) vLLM plain and
-with its n-gram speculative decoding at each k; then n-gram at k=4 against none at
-growing batch sizes.
+with its n-gram speculative decoding at each k (eager at block size 32, named "vllm
+(eager, block 32)"; its stats logging off in the timed runs, its drafts counted in an
+untimed pass); then n-gram at k=4 against none at growing batch sizes (kvlab alone,
+prompts cached). Every system is timed alike at batch 1: each prompt prefilled inside
+its time from an empty prefix cache, after an untimed warm-up, so the wall speed-ups
+compare across systems (decode speed-ups leave the prefill out; vLLM has none).
 Prints JSON: per run, output tokens per target forward, acceptance, decode and wall
 tok/s, speed-up over the same system without speculation, and whether the greedy tokens
 equal that run's ("mismatches" lists any that do not: there must be none).

@@ -209,8 +209,10 @@ def profile_summary(data: dict) -> list[str]:
     run = data.get("vllm", {}).get("run")
     if run:
         ops = {op["op"]: {"calls": op["calls"], "self s": op["self_ms"] / 1e3} for op in run["ops"]}
+        system = data["vllm"].get("meta", {}).get("system", "vllm")  # how it ran
         lines += [
-            f"**vLLM's run** ({cell(run.get('steps'))} steps, run_s {cell(run.get('run_s'))}, "
+            f"**vLLM's run, as {cell(system)}** ({cell(run.get('steps'))} steps, "
+            f"run_s {cell(run.get('run_s'))}, "
             f"step times summed {sum(r['step_ms'] for r in run['step_rows']) / 1e3:.1f} s; "
             "its top operators by self time, from torch's profiler)",
             "",
@@ -261,6 +263,13 @@ def write_results() -> None:
         "AVX-512; **avx512**, a 2-core x86-64 VM with AVX-512 and AVX512-BF16; **unrecorded**,",
         "a run whose CPU was not written down. Timings on these shared 2-core machines move",
         "with their load; token counts, hit counts and capacities do not.",
+        "",
+        "A system is named as it ran wherever that is not its defaults: `vllm` is vLLM",
+        "compiled at its own block size (128), `vllm (eager)` the same without compiling,",
+        "`vllm (eager, block 32)` eager at kvlab's block size 32 (every run before",
+        "2026-12-05), and `hf-generate-batch (7 pages)` transformers' continuous batching",
+        "in a pool too small for every request at once. A file's `relabelled` line says",
+        "what was renamed and why.",
         "",
         "| benchmark | " + " | ".join(classes) + " |",
         "| --- |" + " --- |" * len(classes),

@@ -4,6 +4,7 @@ fake vLLM side."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvlab.cli import main
 from kvlab.experiments.bench import BenchResult, SystemResult, run_bench
-from kvlab.peers.hf import choose_batch_size, hf_generate_batch
+from kvlab.peers.hf import choose_batch_size, hf_generate_batch, pages_for_all
 from kvlab.peers.vllm_peer import VllmRun
 from kvlab.presets import model_bytes_per_token
 from kvlab.viz.bench import bench_figure
@@ -27,6 +28,16 @@ def test_batch_size_a_user_would_pick():
     assert choose_batch_size([10, 30], [10, 2], 100 * 40 * SLOT, SLOT, default=64) == 2
     assert choose_batch_size([30] * 20, [10] * 20, 5 * 40 * SLOT, SLOT) == 5
     assert choose_batch_size([30] * 20, [10] * 20, 1, SLOT) == 1
+
+
+def test_generate_batch_gets_pages_for_every_request_at_once():
+    """Its pool is counted in its own 256-token pages, one or more per request, plus the
+    15% its FIFO scheduler keeps free before admitting another prefill: 16 chat requests
+    of ~100 tokens get 19 pages (kvlab's budget for them, 1,792 tokens, is 7 pages)."""
+    assert pages_for_all([40] * 16, [64] * 16) == 19  # 16 / 0.85, rounded up
+    assert pages_for_all([100, 300], [64, 64]) == 4  # 1 + 2 pages, / 0.85
+    assert pages_for_all([100] * 17, [56] * 17, safety_margin=0.15) == 20  # not 21
+    assert pages_for_all([10], [5], page_size=16, safety_margin=0.0) == 1
 
 
 def test_generate_batch_gives_each_request_its_own_length(model):
@@ -60,6 +71,10 @@ def test_bench_runs_every_system_on_the_same_tokens(bench, tmp_path):
     assert set(bench.meta["greedy_match_to_first_eos"].values()) == {1.0}
     assert list(result["token_agreement"]) == list(result["systems"])
     assert bench.systems["hf-generate"].batch_size == 3
+    # generate_batch's pool holds all three at once in its own pages (+ its free margin)
+    assert bench.meta["hf_generate_batch_pages"] == 4 and bench.meta["hf_page_size"] == 256
+    per_token = bench.meta["kv_budget_bytes_by_system"]["hf-generate-batch"] // (4 * 256)
+    assert per_token == SLOT
     path = tmp_path / "bench.json"
     bench.save(path)
     loaded = BenchResult.load(path)
@@ -270,8 +285,10 @@ def test_the_vllm_side_runs_vllm_at_its_defaults(tiny_model, monkeypatch):
     """kvlab bench's vLLM: no enforce_eager and no block size from kvlab, unless asked."""
     import kvlab.peers.vllm_bench as vllm_bench
     from kvlab.peers import vllm_worker
+    from kvlab.peers.vllm_peer import VllmEngine, VllmPeer
 
-    started = []
+    started, stats = [], []
+    engine = VllmEngine("0.fake", 1.0, 8, 128, None, [0])
 
     class Peer:
         inproc, threads_bind = False, "auto"
@@ -279,9 +296,10 @@ def test_the_vllm_side_runs_vllm_at_its_defaults(tiny_model, monkeypatch):
         def __init__(self, threads=None, inproc=False):
             pass
 
-        def start(self, args):
+        def start(self, args, **options):
             started.append(args)
-            return None
+            stats.append(options.get("stats", False))
+            return engine
 
     monkeypatch.setattr(vllm_bench, "VllmPeer", Peer)
     prompts, new = [list(range(100, 140))], [8]
@@ -291,12 +309,31 @@ def test_the_vllm_side_runs_vllm_at_its_defaults(tiny_model, monkeypatch):
     assert (
         side.name == "vllm" and not started[0]["enforce_eager"] and "block_size" not in started[0]
     )
-    side = vllm_bench.VllmBenchSide.start(tiny_model, prompts, new, 10**6)  # the profile's
-    assert (
-        side.name == "vllm (eager)"
-        and started[1]["enforce_eager"]
-        and started[1]["block_size"] == 32
-    )
-    # the worker forces nothing: what is left out is vLLM's default (compiled)
+    # stats logging off, as vllm.LLM runs (the timed runs must not pay for it)
+    assert stats == [False] and side.meta()["log_stats"] is False
+    side = vllm_bench.VllmBenchSide.start(tiny_model, prompts, new, 10**6, stats=True)
+    # the profile's: eager at block 32, named as it ran; stats on for its per-step rows
+    assert side.name == "vllm (eager, block 32)" and side.meta()["system"] == side.name
+    assert started[1]["enforce_eager"] and started[1]["block_size"] == 32
+    assert stats == [False, True] and side.meta()["log_stats"] is True
+    # VllmPeer.start says it to the worker in the engine arguments
+    asked = []
+    peer = object.__new__(VllmPeer)
+    peer._ask = lambda command: asked.append(command) or dataclasses.asdict(engine)
+    peer.start({"model": "m"})
+    peer.start({"model": "m"}, stats=True)
+    assert [c["engine"]["disable_log_stats"] for c in asked] == [True, False]
+    # the worker forces nothing: what is left out is vLLM's default (compiled), but for
+    # stats logging, off as vllm.LLM has it
     assert "enforce_eager" not in vllm_worker.engine_arguments({"model": "m"})
+    assert vllm_worker.engine_arguments({"model": "m"})["disable_log_stats"] is True
     assert vllm_worker.engine_arguments({"enforce_eager": True})["enforce_eager"] is True
+
+
+def test_vllm_names_say_how_it_ran():
+    from kvlab.peers.vllm_peer import vllm_system_name
+
+    assert vllm_system_name() == vllm_system_name(block_size=128) == "vllm"
+    assert vllm_system_name(eager=True) == "vllm (eager)"
+    assert vllm_system_name(eager=True, block_size=32) == "vllm (eager, block 32)"
+    assert vllm_system_name(block_size=32) == "vllm (block 32)"

@@ -6,14 +6,19 @@ timed here: benchmarks/serve_vs_vllm.py prints the speed figures.
 
 Runs wherever vLLM's venv is ($KVLAB_VLLM_VENV, else .venv-vllm: `make peers`, which
 `make test` runs first); skips, saying why, where it is absent. Each run imports vLLM
-(30 s to 2 min here).
+(30 s to 2 min here). The last test runs benchmarks/serve_vs_vllm.py --quick: both
+servers as processes, `vllm serve` eager on a tiny model (a minute or two).
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("fastapi")
+
+from bench_scripts import load_script, vllm_tiny_checkpoint  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab.peers.vllm_serve import bench_serve, vllm_cli_missing  # noqa: E402
@@ -57,3 +62,27 @@ def test_vllm_bench_serve_against_kvlab_serve(tiny_model, dataset):
         assert hits >= 64 and hits % 16 == 0
     else:
         assert hits <= 16 * PROMPTS  # random prompts share little beyond a stray block
+
+
+def test_serve_vs_vllm_quick(model, tmp_path, monkeypatch):
+    """benchmarks/serve_vs_vllm.py --quick: `kvlab serve` and `vllm serve` (eager) on a
+    tiny model vLLM's CPU attention takes, each driven once by `vllm bench serve` (the
+    random dataset, 2 prompts of 64 tokens for 16), the JSON written to --out."""
+    checkpoint = vllm_tiny_checkpoint(tmp_path / "tiny", model.tokenizer)
+    # vLLM's helper processes (`python -m ...`) put their working directory first on
+    # sys.path: in the checkout, kvlab's kernels/ would answer HF's `import kernels`
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "serve_vs_vllm.json"
+    argv = ["--quick", "--model", str(checkpoint), "--threads", "1", "--out", str(out)]
+    report = load_script("serve_vs_vllm").main([*argv, "--log-dir", str(tmp_path / "logs")])
+    assert json.loads(out.read_text()) == report
+    assert report["model"] == str(checkpoint.resolve())
+    rows = report["rows"]
+    assert [(r["server"], r["dataset"]) for r in rows] == [
+        ("kvlab", "random"), ("vllm (eager)", "random"),
+    ]  # fmt: skip
+    for row in rows:
+        assert (row["completed"], row["failed"]) == (2, 0)
+        assert row["prefix_cache_queries"] == 2 * 64  # both count every prompt token
+        assert row["ready_s"] > 0 and row["output_throughput"] > 0
+    assert [r["block_size"] for r in rows] == [16, 128]  # each at its own

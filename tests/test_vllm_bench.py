@@ -38,6 +38,7 @@ def test_bench_cli_runs_vllm_on_the_same_tokens(model, tmp_path, capsys):
     assert vllm["compiled"] and vllm["compilation_mode"] == "DYNAMO_TRACE_ONCE"
     assert vllm["block_size"] == 128 and vllm["block_size_chosen_by"] == "vLLM"
     assert vllm["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and vllm["dtype"] == "float32"
+    assert vllm["log_stats"] is False and vllm["system"] == "vllm"  # as vllm.LLM runs
     assert len(result.systems["vllm"].walls_s) == 2  # alternating rounds, generation only
     assert result.systems["vllm"].cpu_s_per_token > 0
     assert "VLLM_CPU_OMP_THREADS_BIND=auto" in result.provenance["threads"]

@@ -118,7 +118,7 @@ def test_kvlab_and_vllm_serve_publish_the_same_blocks(model, tmp_path):
     kv_cache_bytes = (USABLE_BLOCKS + 1) * block_bytes(model)
     argv = vllm_serve_argv(
         model_path(model), vllm_port, kv_cache_bytes, MAX_MODEL_LEN,
-        block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=2048,
+        block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=2048, enforce_eager=True,
     )  # fmt: skip
     argv += [
         "--prefix-caching-hash-algo=sha256_cbor",

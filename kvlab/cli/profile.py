@@ -92,7 +92,11 @@ def _profile_vllm(args, model, prompts, max_new_tokens, budget):
     threads = torch.get_num_threads()
     if not args.quiet:
         print(f"vllm: starting its engine in one process, {threads} threads", file=sys.stderr)
-    side = VllmBenchSide.start(model, prompts, max_new_tokens, budget, threads=threads, inproc=True)
+    # eager at block 32 (start's defaults: step for step beside kvlab, and named so:
+    # "vllm (eager, block 32)"), stats on for its per-step rows: a profile, not a timing
+    side = VllmBenchSide.start(
+        model, prompts, max_new_tokens, budget, threads=threads, inproc=True, stats=True
+    )
     try:
         return side.meta(), side.run(prompts, max_new_tokens, profile=True)
     finally:
@@ -103,7 +107,7 @@ def _print_vllm_profile(steps, meta: dict, vllm_run) -> None:
     from kvlab.experiments.peer_profile import parts_table_vs_vllm, phase_table
 
     print(
-        f"\nkvlab beside vLLM {meta['version']} ({meta['mode']}, "
+        f"\nkvlab beside vLLM {meta['version']} as {meta['system']!r} ({meta['mode']}, "
         f"VLLM_CPU_OMP_THREADS_BIND={meta['VLLM_CPU_OMP_THREADS_BIND']}), same tokens:"
     )
     print(phase_table(steps, vllm_run).round(2).to_string())

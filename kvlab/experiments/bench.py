@@ -23,10 +23,15 @@ kvlab.peers.vllm_bench) runs in a process of its own at its defaults (compiled w
 torch.compile, its CPU build's block size 128); peer "vllm-eager" is the same engine
 with enforce_eager, reported as "vllm (eager)". Each vLLM engine is built once, before
 the rounds: its load time (the compile included) is in meta[name], its rounds time
-generation only. With `same_block_size`, each kvlab config also runs at vLLM's block
-size (a second line, "kvlab-<config>+bs128"). Without a budget, each system's KV holds
-the whole workload at its own block size. The share of requests whose tokens equal
-kvlab's exactly is meta["token_agreement"]. `provenance(result, command)` names the CPU,
+generation only, with vLLM's stats logging off (`vllm.LLM`'s default). With
+`same_block_size`, each kvlab config also runs at vLLM's block size (a second line,
+"kvlab-<config>+bs128"). Without a budget, each system's KV holds the whole workload at
+its own block size: kvlab's 16-token blocks, vLLM's 128-token blocks plus its null block,
+and transformers' `generate_batch` every request at once in its own 256-token pages, plus
+the free share its scheduler keeps (`kvlab.peers.hf.pages_for_all`), so it can run as many
+requests at once as kvlab (meta["hf_generate_batch_pages"]); with a budget, each gets
+those bytes, counted in its own blocks or pages. The share of requests whose tokens
+equal kvlab's exactly is meta["token_agreement"]. `provenance(result, command)` names the CPU,
 its flags, the thread binding, the date and the command (benchmarks/stamp.py's block).
 """
 
@@ -50,7 +55,13 @@ from tqdm.auto import tqdm
 
 from kvlab.build import Engine
 from kvlab.model.loading import LoadedModel
-from kvlab.peers.hf import choose_batch_size, hf_generate, hf_generate_batch
+from kvlab.peers.hf import (
+    PAGE_SIZE,
+    choose_batch_size,
+    hf_generate,
+    hf_generate_batch,
+    pages_for_all,
+)
 from kvlab.peers.vllm_peer import VLLM_CPU_DEFAULT_BLOCK_SIZE
 from kvlab.presets import default_max_model_len, model_bytes_per_token, parse_config
 from kvlab.units import ceil_div, round_up
@@ -302,8 +313,9 @@ def run_bench(
             "kvlab", several as "kvlab-<name>".
         peers: any of PEERS ("vllm", "vllm-eager" need `make peers`; kvlab.peers.vllm_bench).
         budget_bytes: KV budget for every system (vLLM's raised to one max_model_len
-            sequence where smaller), and the memory hf-generate's batch size is chosen to
-            fit; default: the whole workload at once, at each system's block size.
+            sequence where smaller; hf-generate-batch's in whole pages), and the memory
+            hf-generate's batch size is chosen to fit; default: the whole workload at
+            once, at each system's block (or page) size.
         hf_batch_size: hf-generate's static batch size; default `choose_batch_size`
             (16, or the largest padded batch that fits the budget).
         rounds: timed rounds, alternating order; default PEER_ROUNDS with peers, else 1.
@@ -353,13 +365,19 @@ def run_bench(
     batch_size = hf_batch_size or choose_batch_size(
         [len(p) for p in prompts], max_new, base_budget, per_token
     )
-    page_size = 256
+    page_size = PAGE_SIZE
+    if budget_bytes is None:  # every request at once, in its own pages (kvlab.peers.hf)
+        hf_pages = pages_for_all([len(p) for p in prompts], max_new, page_size)
+    else:  # the same bytes, counted in its pages
+        hf_pages = ceil_div(budget_bytes, page_size * per_token)
     first_config = next(iter(kvlab_configs.values()))
     step_tokens = first_config.max_num_batched_tokens
     systems = [*kvlab_configs, *map(system_name, peers)]
     for peer in peers:
         if peer not in VLLM_PEERS:
             budgets[system_name(peer)] = base_budget
+    if "hf-generate-batch" in peers:
+        budgets["hf-generate-batch"] = hf_pages * page_size * per_token
     ids = [list(r.prompt) for r in requests]
 
     def run(name: str, show: bool) -> SystemResult:
@@ -386,9 +404,8 @@ def run_bench(
         if name == "hf-generate":
             peer = hf_generate(model, ids, max_new, batch_size, ignore_eos=True, progress=show)
         else:
-            num_blocks = ceil_div(base_budget, page_size * per_token)
             peer = hf_generate_batch(
-                model, ids, max_new, num_blocks, page_size, step_tokens, progress=show
+                model, ids, max_new, hf_pages, page_size, step_tokens, progress=show
             )
         return SystemResult(
             name, peer.output_tokens, peer.wall_s, peer.batch_size, [], peer.outputs
@@ -455,6 +472,8 @@ def run_bench(
         "max_model_len": max_model_len,
         "kvlab_configs": names,
         "hf_generate_batch_size": batch_size if "hf-generate" in peers else None,
+        "hf_generate_batch_pages": hf_pages if "hf-generate-batch" in peers else None,
+        "hf_page_size": page_size if "hf-generate-batch" in peers else None,
         "warmup": "one untimed pass of the whole workload per system" if warmup else None,
         "pause_before_each_run_s": VLLM_BUSY_LOOP_S if vllm else 0.0,
         "rounds": rounds,

@@ -13,7 +13,7 @@ class SpecRun:
     """One configuration on one workload: sums over its prompts."""
 
     workload: str
-    system: str  # "kvlab" | "hf"
+    system: str  # "kvlab" | "hf" | "vllm (eager, block 32)" (kvlab.peers.spec_vllm.SYSTEM)
     method: str  # "none", "ngram", "layers", "prompt-lookup"
     k: int  # most drafts per step (0: no speculation)
     batch_size: int

@@ -9,14 +9,21 @@
 Every run is greedy, so a speculative run must emit exactly the tokens of the same
 system without speculation; `identical` says whether it did.
 
+Every system is timed the same way: each prompt alone (batch 1), prefilled inside its
+time from an empty prefix cache, after an untimed warm-up; `wall_s` (the speed-up the
+tables compare) holds the prefill, `decode_s` does not (for vLLM, which times whole runs
+only, it is `wall_s`).
+
 kvlab: one paged engine with prefix caching per workload. Each prompt is prefilled once
-(untimed: `prefill_s` keeps it), then every configuration runs every prompt, one prompt
-at a time (batch 1), with the prompt's K/V served from the prefix cache; the order of
-the configurations alternates from prompt to prompt (this machine is shared). The
-engine's speculation is swapped between runs (`set_speculation`); each configuration
-keeps one Speculator, so its SpecStats add up over the prompts. `decode_s` sums the
-step_s of decode steps (the draft model's work included; prompt lookup runs just before
-the step), `wall_s` is the whole `generate` call.
+and every configuration runs the first prompt briefly, untimed (first-call costs;
+`prefill_s` keeps the prefill's time); then every configuration runs every prompt, one
+at a time, the prefix cache emptied before each run (`reset_prefix_cache`), so the
+prompt's prefill is inside the run, as it is for HF and vLLM; the order of the
+configurations alternates from prompt to prompt (this machine is shared). The engine's
+speculation is swapped between runs (`set_speculation`); each configuration keeps one
+Speculator, so its SpecStats add up over the prompts. `decode_s` sums the step_s of
+decode steps (the draft model's work included; prompt lookup runs just before the step),
+`wall_s` is the whole `generate` call.
 
 HF: `generate`, plain or with `prompt_lookup_num_tokens=k` (its n-gram drafting, here
 with n-grams of up to PROMPT_LOOKUP_MAX tokens, down to 1), one prompt at a time
@@ -25,11 +32,14 @@ start from a prefilled cache): its `decode_s` starts at its second forward, its 
 includes the prefill. Its target forwards are counted by a hook, so its tokens per
 forward and acceptance come from the same arithmetic as kvlab's.
 
-The batch-size sweep (`batch_sweep`) cycles one workload's prompts to each batch size
-and runs them at once, with and without n-gram drafting, on the same warm engine.
+The batch-size sweep (`batch_sweep`, kvlab only) cycles one workload's prompts to each
+batch size and runs them at once, with and without n-gram drafting, on the same engine
+with the prompts cached: it measures decoding as the batch grows.
 vLLM (`vllm=True`, where `make peers` built .venv-vllm): its engine without speculation
-and with n-gram drafting at each k, batch 1, EOS ignored (kvlab.peers.spec_vllm);
-its drafted and accepted tokens are its own counts, its decode_s is its whole run.
+and with n-gram drafting at each k, batch 1, EOS ignored, eager at block size 32 and
+named so, "vllm (eager, block 32)" (kvlab.peers.spec_vllm); its drafted and accepted
+tokens are its own counts (from an untimed pass with its stats on), its decode_s is its
+whole run.
 
 `verify_cost` times the model's first MLP on 1 + k rows: what a verify forward costs
 against a plain decode on this device.
@@ -131,8 +141,9 @@ def vllm_runs(
     baseline: bool = True,
 ) -> list[SpecRun]:
     """vLLM without speculation (unless `baseline` is False) and with n-gram drafting at
-    each k, batch 1 (kvlab.peers.spec_vllm); its decode_s is its whole run."""
-    from kvlab.peers.spec_vllm import run_vllm
+    each k, batch 1 (kvlab.peers.spec_vllm), as system SYSTEM ("vllm (eager, block
+    32)"); its decode_s is its whole run."""
+    from kvlab.peers.spec_vllm import SYSTEM, run_vllm
 
     prompts = [list(r.prompt) for r in requests]
     new_tokens = [r.max_new_tokens for r in requests]
@@ -141,7 +152,7 @@ def vllm_runs(
     for k, run in done.items():
         tokens = sum(map(len, run.outputs))
         runs.append(
-            SpecRun(workload, "vllm", "ngram" if k else "none", k, 1, tokens,
+            SpecRun(workload, SYSTEM, "ngram" if k else "none", k, 1, tokens,
                     tokens - len(prompts), run.steps - len(prompts), run.drafted,
                     run.accepted, run.run_s, run.run_s, outputs=run.outputs)
         )  # fmt: skip
@@ -165,7 +176,8 @@ def compare_speculation(
     prompt lookup at each k) and, with `vllm`, vLLM (plain and n-gram at each k, with
     kvlab's prompt_lookup_min and _max) on every workload at batch 1, then the batch-size
     sweep of n-gram at `sweep_k` on `sweep_workload`; see the module doc. `engines`: an
-    idle prefix-caching engine per workload to reuse (its cached prompts save prefills).
+    idle prefix-caching engine per workload to reuse (its cached prompts save the
+    warm-up's prefills and the sweep's).
     `ngram_min`: kvlab's prompt_lookup_min (HF's prompt lookup always goes down to 1)."""
     runs, meta = [], {"prefill_s": {}, "kvlab_vs_hf_identical": {}}
     if vllm:

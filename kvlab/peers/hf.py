@@ -10,6 +10,7 @@ Both decode greedily and take token-id prompts, so they see exactly what kvlab s
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -17,8 +18,14 @@ import torch
 from tqdm.auto import tqdm
 
 from kvlab.model.loading import LoadedModel
+from kvlab.units import ceil_div
 
 DEFAULT_BATCH_SIZE = 16
+# transformers' continuous batching (ContinuousBatchingConfig, 5.x): pages of 256 tokens,
+# and a FIFO scheduler that admits no new prefill while fewer than 15% of the pages are
+# free (FIFOScheduler's default safety_margin).
+PAGE_SIZE = 256
+FIFO_SAFETY_MARGIN = 0.15
 
 
 @dataclass(frozen=True)
@@ -98,13 +105,27 @@ def choose_batch_size(
     return max(1, size)
 
 
+def pages_for_all(
+    prompt_lens: list[int],
+    max_new_tokens: list[int],
+    page_size: int = PAGE_SIZE,
+    safety_margin: float = FIFO_SAFETY_MARGIN,
+) -> int:
+    """Pages of `page_size` tokens in which transformers' continuous batching can run
+    every request at once: each request's prompt + max_new_tokens in whole pages of its
+    own, plus the free share its FIFO scheduler keeps before it admits another prefill
+    (so the last request is not held back by the margin)."""
+    needed = sum(ceil_div(p + n, page_size) for p, n in zip(prompt_lens, max_new_tokens))
+    return math.ceil(round(needed / (1 - safety_margin), 9))
+
+
 @torch.inference_mode()
 def hf_generate_batch(
     model: LoadedModel,
     prompts: list[list[int]],
     max_new_tokens: list[int],
     num_blocks: int | None = None,
-    page_size: int = 256,
+    page_size: int = PAGE_SIZE,
     max_batch_tokens: int | None = None,
     ignore_eos: bool = True,
     progress: bool = False,
@@ -118,6 +139,7 @@ def hf_generate_batch(
 
     num_blocks: cache capacity in blocks of `page_size` tokens. Set it: left as None
     on CPU, transformers sizes the cache from 90% of the machine's RAM and zero-fills it.
+    `pages_for_all` gives the pages in which every request runs at once.
     max_batch_tokens: tokens per step (transformers' default when None).
     ignore_eos: eos_token_id=-1, so every request runs to its max_new_tokens.
     The wall time covers the manager's set-up, warm-up and shut-down, as a caller of

@@ -4,6 +4,7 @@
                                eager=False, block_size=None)  # vLLM's own defaults
     run = side.run(prompts, max_new_tokens)  # a VllmRun: outputs, run_s, cpu_s
     side.meta()  # load time, compiled or eager, thread binding, KV shape; side.close()
+    side.name  # "vllm" at its defaults, else how it ran: "vllm (eager, block 32)"
 
 vLLM runs in its own process (`.venv-vllm`, see kvlab.peers.vllm_peer) in its
 default multiprocess mode, as `vllm.LLM` runs: front end, engine core and model worker.
@@ -16,6 +17,9 @@ round (a fresh engine's state, as kvlab's Engine starts).
 block size (block_size=None: 128), or eager as a labelled second peer ("vllm (eager)").
 The defaults of `start` (eager, block 32) are the step-exact comparison's
 (`kvlab profile --peer vllm`): the CPU build takes block sizes that are multiples of 32.
+Its name in results says how it ran wherever that is not vLLM's default
+(`vllm_system_name`). Stats logging stays off (`vllm.LLM`'s default) unless `stats=True`:
+the profile's untimed run turns it on for its per-step rows.
 
 Its KV gets `kv_bytes` (the bench's byte budget, or the whole workload at vLLM's block
 size). vLLM refuses to start unless one `max_model_len` sequence fits beside its null
@@ -35,6 +39,7 @@ from kvlab.peers.vllm_peer import (
     VllmPeer,
     VllmRun,
     vllm_engine_args,
+    vllm_system_name,
 )
 from kvlab.presets import model_bytes_per_token
 from kvlab.units import round_up
@@ -50,7 +55,8 @@ class VllmBenchSide:
     engine: VllmEngine
     engine_args: dict
     budget_raised: bool  # the bench's budget could not hold one max_model_len sequence
-    name: str = "vllm"  # the system's name in a bench: "vllm" compiled, "vllm (eager)"
+    name: str = "vllm"  # vllm_system_name: "vllm" at its defaults, "vllm (eager)", ...
+    stats: bool = False  # vLLM's stats logging (off: vllm.LLM's default)
 
     @classmethod
     def start(
@@ -66,6 +72,7 @@ class VllmBenchSide:
         *,
         eager: bool = True,
         block_size: int | None = VLLM_BLOCK_SIZE,
+        stats: bool = False,
     ) -> VllmBenchSide:
         """Start the worker and build vLLM's engine for this workload (not timed).
 
@@ -75,6 +82,8 @@ class VllmBenchSide:
         inproc: the whole engine in the worker process (what a profile needs).
         eager: enforce_eager (no torch.compile); False is vLLM's default.
         block_size: None for vLLM's own (128 on its CPU build).
+        stats: vLLM's stats logging on (per-step rows: an untimed profile); off for
+        timed runs, as `vllm.LLM` runs.
         """
         block = block_size or VLLM_CPU_DEFAULT_BLOCK_SIZE
         longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
@@ -92,11 +101,12 @@ class VllmBenchSide:
         )
         peer = VllmPeer(threads=threads, inproc=inproc)
         try:
-            engine = peer.start(args)
+            engine = peer.start(args, stats=stats)
         except BaseException:
             peer.close()
             raise
-        return cls(peer, engine, args, kv_bytes > budget_bytes, "vllm (eager)" if eager else "vllm")
+        name = vllm_system_name(eager, block_size)
+        return cls(peer, engine, args, kv_bytes > budget_bytes, name, stats)
 
     def run(
         self, prompts: list[list[int]], max_new_tokens: list[int], profile: bool = False
@@ -115,6 +125,7 @@ class VllmBenchSide:
     def meta(self) -> dict:
         """What the bench's meta records about vLLM."""
         return {
+            "system": self.name,
             "version": self.engine.vllm_version,
             "load_s": round(self.engine.load_s, 2),
             "mode": "one process" if self.peer.inproc else MULTIPROCESS,
@@ -131,6 +142,7 @@ class VllmBenchSide:
             "max_model_len": self.engine_args["max_model_len"],
             "max_num_batched_tokens": self.engine_args["max_num_batched_tokens"],
             "prefix_caching": self.engine_args["enable_prefix_caching"],
+            "log_stats": self.stats,  # vLLM's stats logging (off: vllm.LLM's default)
         }
 
     def close(self) -> None:

@@ -8,7 +8,13 @@ python and talks to it one JSON line at a time:
     with VllmPeer(threads=1) as peer:
         engine = peer.start(vllm_engine_args(model, kv_cache_bytes=2**28, max_model_len=2048))
         run = peer.run(prompts, max_new_tokens, arrival="together")
-        run.outputs, run.num_cached_tokens, run.peak_running, run.preemptions, run.run_s
+        run.outputs, run.num_cached_tokens, run.run_s, run.cpu_s
+
+Stats: the engine runs with vLLM's stats logging off (`disable_log_stats=True`, what
+`vllm.LLM` users get), so a timed run pays for nothing vLLM's users do not;
+`peer.start(args, stats=True)` turns it on for runs that count (peak running requests,
+preemptions, prefix hits, speculative drafts, per-step rows): the oracle, the profile and
+the speculative comparison's untimed counting pass.
 
 Threads: vLLM's default multiprocess mode runs a front end, an engine-core process and a
 model worker whose OpenMP threads it binds to the cores in VLLM_CPU_OMP_THREADS_BIND
@@ -38,6 +44,15 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_BLOCK_SIZE = 32
 # The CPU build's own block size where none is given (vllm/platforms/cpu.py, 0.32).
 VLLM_CPU_DEFAULT_BLOCK_SIZE = 128
+
+
+def vllm_system_name(eager: bool = False, block_size: int | None = None) -> str:
+    """vLLM's name in a result, saying how it ran where that is not its default: "vllm"
+    (compiled, its own block size), "vllm (eager)", "vllm (eager, block 32)", ..."""
+    how = ["eager"] if eager else []
+    if block_size is not None and block_size != VLLM_CPU_DEFAULT_BLOCK_SIZE:
+        how.append(f"block {block_size}")
+    return f"vllm ({', '.join(how)})" if how else "vllm"
 
 
 def vllm_missing() -> str | None:
@@ -111,6 +126,7 @@ class VllmEngine:
     omp_core_ids: list[int] | None  # the cores its model worker's threads are bound to
     enforce_eager: bool | None = None  # False: compiled (vLLM's default); None: not reported
     compilation_mode: str | None = None  # vLLM's CompilationMode name (NONE when eager)
+    log_stats: bool | None = None  # its stats logging (off, vLLM.LLM's default, unless asked)
 
     @property
     def usable_blocks(self) -> int:
@@ -124,17 +140,18 @@ class VllmRun:
 
     outputs: list[list[int]]  # generated token ids
     num_cached_tokens: list[int]  # prompt tokens served from its prefix cache
-    num_preemptions: list[int]
+    num_preemptions: list[int]  # (0 unless the engine logs stats)
     run_s: float  # generation only
     cpu_s: float  # user + system CPU of all its processes during the run
     steps: int
+    # From vLLM's per-step stats: 0 unless the engine was started with stats=True.
     peak_running: int
     peak_waiting: int
     preemptions: int
     drafts: int = 0  # speculative verifications (engine args with a speculative_config)
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
-    step_rows: list[dict] = field(default_factory=list)  # step_ms, running, prompt/gen tokens
+    step_rows: list[dict] = field(default_factory=list)  # step_ms; running, prompt/gen tokens
     ops: list[dict] = field(default_factory=list)  # op, calls, self_ms (with profile=True)
 
     @property
@@ -193,8 +210,15 @@ class VllmPeer:
         text = self.log_file.read_text(encoding="utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    def start(self, engine_args: dict) -> VllmEngine:
-        """Build vLLM's engine (EngineArgs fields, e.g. from `vllm_engine_args`)."""
+    def start(self, engine_args: dict, stats: bool = False) -> VllmEngine:
+        """Build vLLM's engine (EngineArgs fields, e.g. from `vllm_engine_args`).
+
+        stats: turn vLLM's stats logging on (`disable_log_stats=False`), which per-step
+        counts need (peak running, preemptions, prefix queries and hits, drafted and
+        accepted tokens, step_rows' token counts). Off by default, as `vllm.LLM` runs: a
+        timed run leaves it off, and counts come from a run of their own (or a profile).
+        """
+        engine_args = {**engine_args, "disable_log_stats": not stats}
         return VllmEngine(**self._ask({"cmd": "start", "engine": engine_args}))
 
     def run(

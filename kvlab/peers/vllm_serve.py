@@ -160,10 +160,19 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float) -
 @contextmanager
 def server_process(argv: list[str], url: str, log_path: Path, env=None, timeout_s=300):
     """Run a server command in its own process group until the block ends; yields `url`
-    once /health answers. The group is killed on exit (vLLM spawns engine processes)."""
+    once /health answers. The group is killed on exit (vLLM spawns engine processes).
+
+    It runs in the log's folder: a `python -m` started in kvlab's checkout has the
+    checkout first on sys.path, where its `kernels/` folder would stand in for the
+    `kernels` package vLLM's transformers looks for (argv's paths must be absolute)."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=Path(log_path).resolve().parent,
         )
         try:
             wait_healthy(url, process, timeout_s)
@@ -183,25 +192,30 @@ def vllm_serve_argv(
     port: int,
     kv_cache_bytes: int,
     max_model_len: int,
-    block_size: int = 32,
+    block_size: int | None = None,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 2048,
     served_model_name: str | None = None,
+    enforce_eager: bool = False,
 ) -> list[str]:
     """`vllm serve` as kvlab's comparisons run it: fp32, a byte-exact KV size, prefix
-    caching, eager mode (block_size: the CPU build takes multiples of 32 only)."""
+    caching, and otherwise vLLM's defaults: its model compiled with torch.compile and its
+    CPU build's block size (128). block_size: a block size of kvlab's choosing (the CPU
+    build takes multiples of 32 only); enforce_eager: no compile (it starts in seconds:
+    what tests that count blocks or events want). Name anything but the defaults where
+    the results show it (`kvlab.peers.vllm_peer.vllm_system_name`)."""
     argv = vllm_command(
         "serve",
         model_path,
         "--host=127.0.0.1",
         f"--port={port}",
         "--dtype=float32",
-        f"--block-size={block_size}",
+        *([f"--block-size={block_size}"] if block_size is not None else []),
         f"--max-model-len={max_model_len}",
         f"--kv-cache-memory-bytes={kv_cache_bytes}",
         "--enable-prefix-caching",
         f"--max-num-seqs={max_num_seqs}",
         f"--max-num-batched-tokens={max_num_batched_tokens}",
-        "--enforce-eager",
+        *(["--enforce-eager"] if enforce_eager else []),
     )
     return argv + ([f"--served-model-name={served_model_name}"] if served_model_name else [])

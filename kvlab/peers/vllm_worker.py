@@ -8,7 +8,7 @@ each answer leaves as one JSON line on stdout; everything vLLM prints goes to LO
 
     {"cmd": "start", "engine": {EngineArgs fields}}
         -> {"vllm_version", "load_s", "num_blocks", "block_size", "logged_kv_tokens",
-            "omp_core_ids", "enforce_eager", "compilation_mode"}
+            "omp_core_ids", "enforce_eager", "compilation_mode", "log_stats"}
     {"cmd": "run", "prompts": [{"token_ids": [...], "max_tokens": n}, ...],
      "arrival": "together" | "one-by-one", "reset_prefix_cache": true, "profile": false}
         -> {"run_s", "cpu_s", "steps", "peak_running", "peak_waiting", "preemptions",
@@ -25,15 +25,19 @@ build that is the model compiled once by torch.compile/inductor (DYNAMO_TRACE_ON
 command runs it eagerly. "start" answers with what vLLM chose (enforce_eager, the
 compilation mode's name, block_size).
 
+Stats logging is off, as `vllm.LLM` runs (`disable_log_stats=True`), unless the command's
+engine arguments say "disable_log_stats": false: timed runs leave it off. With it on, peak
+running requests and preemptions come from a stat logger that vLLM calls once per engine
+step (SchedulerStats, IterationStats), and with a `speculative_config` engine argument,
+drafted and accepted tokens from SchedulerStats.spec_decoding_stats; with it off they are
+0. A request's prefix-hit tokens come from RequestOutput.num_cached_tokens either way.
+
 Greedy (temperature 0), EOS ignored (every request makes exactly max_tokens), so the
-answers compare token for token with kvlab's. Peak running requests and preemptions
-come from a stat logger that vLLM calls once per engine step (SchedulerStats,
-IterationStats); a request's prefix-hit tokens from RequestOutput.num_cached_tokens;
-with a `speculative_config` engine argument, drafted and accepted tokens from
-SchedulerStats.spec_decoding_stats. Each step's wall time and the prompt and generated
-tokens it completed make `step_rows`; with "profile" (an engine in this process:
-VLLM_ENABLE_V1_MULTIPROCESSING=0) torch's profiler records the run and `ops` holds the
-operators that took the most CPU time (self time, not counting the ops they call).
+answers compare token for token with kvlab's. Each step's wall time and (with stats on)
+the prompt and generated tokens it completed make `step_rows`; with "profile" (an engine
+in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0) torch's profiler records the run and
+`ops` holds the operators that took the most CPU time (self time, not counting the ops
+they call).
 """
 
 from __future__ import annotations
@@ -107,9 +111,10 @@ def cpu_seconds() -> float:
 
 
 def engine_arguments(engine_args: dict) -> dict:
-    """EngineArgs fields: the command's, over stats on and seed 0; vLLM's defaults for the
-    rest (compiled, its platform's block size: nothing is forced eager here)."""
-    return {"disable_log_stats": False, "seed": 0, **engine_args}
+    """EngineArgs fields: the command's, over seed 0 and stats logging off (`vllm.LLM`'s
+    default); vLLM's defaults for the rest (compiled, its platform's block size: nothing
+    is forced eager here)."""
+    return {"disable_log_stats": True, "seed": 0, **engine_args}
 
 
 def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
@@ -120,7 +125,9 @@ def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
     args = engine_arguments(engine_args)
     logged_from = os.path.getsize(log_file)
     began = time.perf_counter()
-    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[step_logger_class()])
+    log_stats = not args["disable_log_stats"]
+    loggers = [step_logger_class()] if log_stats else None  # per-step counts need stats
+    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=loggers)
     load_s = time.perf_counter() - began
     sys.stdout.flush()
     sys.stderr.flush()
@@ -140,6 +147,7 @@ def start(engine_args: dict, log_file: str) -> tuple[object, dict]:
         "omp_core_ids": [int(c) for c in cores.group(1).split(",") if c.strip()] if cores else None,
         "enforce_eager": bool(engine.vllm_config.model_config.enforce_eager),
         "compilation_mode": getattr(mode, "name", str(mode)),  # NONE when eager
+        "log_stats": log_stats,
     }
 
 
