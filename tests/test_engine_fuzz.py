@@ -3,7 +3,8 @@ cancellations, sessions and bad input, on engine configs that draw every EngineC
 field together (speculation with every codec, n > 1, swap and recompute, chunked prefill
 in both orders, prefix caching with kvlab's or vLLM's block hashes, tiers with sessions
 and TTLs, retention policies, the kernels path, tensor parallel, batch-invariant mode),
-must leave the engine consistent.
+must leave the engine consistent. PriorityMachine draws requests of mixed priorities
+(n > 1 among them) in bursts, on small pools with chunked prefill and small step budgets.
 
 After every rule:
 - `check_integrity()`, the telemetry consistent, no stall while work is queued;
@@ -71,30 +72,36 @@ def speculative(draw, always: bool = False) -> dict | None:
     return config
 
 
-FOCUS = (None, "swap", "speculation", "tiers", "window")  # what a draw must include
+FOCUS = (None, "swap", "speculation", "tiers", "window", "priority")  # what a draw must include
+ORDERS = ["prefill-first", "decode-first"]
 
 
 @st.composite
 def engine_configs(draw, focus: str | None = None) -> dict:
     """An engine config drawing every EngineConfig field. `focus` makes one feature
     certain (the mutation tests: swapping under pressure, speculation, tiers with
-    sessions, a sliding window)."""
+    sessions, a sliding window; "priority": chunked prefill, prefill-first, with a step
+    budget of 8 to 16 tokens, on a pool that must preempt and admits to its last block
+    (watermark 0), for PriorityMachine)."""
     codecs = [None, *CODECS.names()]
     kv_codec = draw(st.sampled_from(codecs if focus != "tiers" else [None, *codecs]))
     aligned = kv_codec == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
-    pressured = focus in ("swap", "tiers") or draw(st.booleans())  # a pool that must preempt
+    pressured = focus in ("swap", "tiers", "priority") or draw(st.booleans())  # must preempt
+    priority = focus == "priority"
     paged = pressured or focus is not None or draw(st.booleans())
     config = dict(
         cache="paged" if paged else "naive",
         kv_codec=kv_codec,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=draw(st.sampled_from([1, 3, 4, 8])),
-        max_num_batched_tokens=draw(st.sampled_from([8, 16, 33, 64, 256])),
-        chunked_prefill=draw(st.booleans()),
-        schedule_order=draw(st.sampled_from(["prefill-first", "decode-first"])),
+        max_num_batched_tokens=draw(
+            st.sampled_from([8, 12, 16] if priority else [8, 16, 33, 64, 256])
+        ),
+        chunked_prefill=priority or draw(st.booleans()),
+        schedule_order="prefill-first" if priority else draw(st.sampled_from(ORDERS)),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
         preemption="swap" if focus == "swap" else draw(st.sampled_from(["swap", "recompute"])),
-        attention=draw(st.sampled_from(["torch", "torch", "kernels"])),
+        attention="torch" if priority else draw(st.sampled_from(["torch", "torch", "kernels"])),
         poison_freed=draw(st.booleans()),
         record_block_map=draw(st.booleans()),
         speculative=draw(speculative(always=focus == "speculation")),
@@ -110,7 +117,7 @@ def engine_configs(draw, focus: str | None = None) -> dict:
         block_size=block_size,
         prefix_caching=prefix,
         admission="watermark" if pressured else draw(st.sampled_from(["reserve", "watermark"])),
-        watermark=draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])),
+        watermark=0.0 if priority else draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])),
         # From a few blocks (most requests rejected, the rest preempt each other) to
         # room for several requests at once.
         kv_budget_tokens=max(block_size, draw(st.sampled_from([16, 64, 96, 128, 160, 320]))),
@@ -551,3 +558,27 @@ def run_machine(model, machine=EngineMachine, examples: int = 40, steps: int = 5
 def test_engine_state_machine(tiny_model):
     counts = run_machine(tiny_model, examples=EXAMPLES or 40)
     print("engine state machine:", dict(counts))  # pytest -s shows the figures
+
+
+class PriorityMachine(EngineMachine):
+    """The engine machine on configs of focus "priority" (chunked prefill, prefill-first,
+    a step budget of 8 to 16 tokens, a pool that must preempt, watermark 0), with bursts
+    of unrelated prompts of mixed priorities (n > 1 among them): a sequence preempted
+    while a step is built may already hold a row of that step (issue 46)."""
+
+    @initialize(config=engine_configs(focus="priority"))
+    def build(self, config):
+        super().build(config)
+
+    @rule(burst=st.lists(st.tuples(prompts(), sampling(), st.sampled_from(SALTS),
+                                   st.integers(-1, 2), st.sampled_from(SESSIONS)),
+                         min_size=2, max_size=6))  # fmt: skip
+    def add_mixed_burst(self, burst):
+        for request in burst:
+            self._add(*request)
+        self.counts["mixed bursts"] += 1
+
+
+def test_engine_state_machine_with_priorities_under_pressure(tiny_model):
+    counts = run_machine(tiny_model, PriorityMachine, examples=EXAMPLES or 5, steps=30)
+    print("priority machine:", dict(counts))

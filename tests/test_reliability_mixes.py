@@ -1,6 +1,7 @@
 """One regression test per class of defect that random mixes of features found (issue 36):
 chunked prefill with its budget, n > 1 with sessions, tiers with chunked prefill, sessions
-with recompute preemption. Each failed on the engine before its fix.
+with recompute preemption; and one from issue 46: a refill decode that preempts a row of
+its own step. Each failed on the engine before its fix.
 `tests/test_engine_fuzz.py` draws these features together and hunts for the rest."""
 
 from __future__ import annotations
@@ -140,3 +141,36 @@ def test_end_session_frees_the_blocks_of_a_request_preempted_by_recompute(tiny_m
     tokens = [out.prompt_token_ids + out.token_ids]
     assert session_residue(engine, tokens) == {"device": 0, "host": 0}
     assert engine.cache.allocator.num_cached == 0
+
+
+# 5. Refill preempts a row of its own step (issue 46): the row leaves the step -------------
+def test_a_refill_decode_that_preempts_a_scheduled_chunk_drops_it_from_the_step(tiny_model):
+    """Step 12 schedules request 3's last chunk (9 tokens, into its second block) and
+    admits request 4 (3 tokens) into the pool's last free block. The chunk preempts request
+    4 for its block; the refill then decodes with the tokens request 4 gave back, and
+    request 0's copy-on-write needs a block: the victim rule picks request 3, whose chunk
+    is already in the step. It leaves the step and its 9 tokens go back to the budget (the
+    engine once kept its row and published blocks it no longer held: KeyError in
+    PagedCache.publish)."""
+    engine = kvlab.Engine(tiny_model, kvlab.EngineConfig(
+        cache="paged", block_size=32, kv_budget_tokens=256, max_model_len=64,
+        prefix_caching="hash", admission="watermark", watermark=0.0, preemption="recompute",
+        chunked_prefill=True, schedule_order="prefill-first", max_num_batched_tokens=12,
+    ))  # fmt: skip
+    lengths, priorities = (35, 34, 37, 35, 22), (2, 0, 0, 0, -1)
+    prompts = [_ids(n, 1 + 100 * i) for i, n in enumerate(lengths)]
+    news = (2, 2, 2, 1, 1)
+    for i, (prompt, priority, new) in enumerate(zip(prompts, priorities, news)):
+        params = SamplingParams(max_new_tokens=new, n=2 if i == 0 else 1, ignore_eos=True)
+        engine.add_request(prompt, params, priority=priority)
+    _run(engine)
+    notes = {o.request_id: [n.text for n in o.notes if n.kind == "preemption"]
+             for o in engine.finished}  # fmt: skip
+    assert "request 3 needed 1 block(s) for its next 9 token(s)" in notes[4][0]
+    assert "request 0 needed 1 block(s) for its next 1 token(s)" in notes[3][0]
+    step = engine.stats().iloc[11]  # step 12: request 2 decodes on request 3's tokens
+    assert (step["phase"], step["tokens"]) == ("decode", 4)
+    solo = _engine(tiny_model, block_size=4, kv_budget_tokens=128)
+    for out, prompt, new in zip(sorted(engine.finished, key=lambda o: o.request_id), prompts, news):
+        expected = solo.generate([prompt], _greedy(new))[0].token_ids
+        assert [s.token_ids for s in out.samples] == [expected] * len(out.samples)

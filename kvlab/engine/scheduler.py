@@ -14,9 +14,11 @@ builds one batch within the token budget, and schedules every sequence at most o
 
 Before a batch runs, every sequence in it gets the blocks it needs. When the free list
 runs dry (watermark admission), a victim is preempted: the running request of lowest
-priority, then the most recently admitted. It is recomputed or swapped back later and
-continues exactly where it stopped. Swapped requests come back before anyone new is
-admitted, and admission is head-of-line: nobody jumps the queue.
+priority, then the most recently admitted, whether or not this step already holds its row
+(a victim's row leaves the step and its tokens go back to the budget, as in vLLM V1). It
+is recomputed or swapped back later and continues exactly where it stopped. Swapped
+requests come back before anyone new is admitted, and admission is head-of-line: nobody
+jumps the queue.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from kvlab.cache.base import KVCache
 from kvlab.cache.connector import KVConnector
 from kvlab.config import EngineConfig
+from kvlab.integrity import require
 from kvlab.sequence import Note, RequestState, Sequence
 
 Row = tuple[Sequence, int]  # a sequence and the tokens it computes this step
@@ -194,10 +197,10 @@ class Scheduler:
         else:
             rows = self._prefills(now, budget, admitting, admitted)
             rows += self._decodes(decoding, budget - sum(n for _, n in rows))
-        rows = self._secure_blocks(rows)
-        rows += self._refill(rows, decoding, budget)
+        rows = self._refill(self._secure_blocks(rows), decoding, budget)
         if not rows:
             return None
+        self._check_rows(rows)
         for seq, n in rows:  # full blocks filled by this step (decodes, later chunks)
             self._publish(seq, min(n, seq.num_pending))  # drafts are never published
         batch = Batch([s for s, _ in rows], [n for _, n in rows])
@@ -207,19 +210,40 @@ class Scheduler:
         return batch
 
     def _refill(self, rows: list[Row], decoding: list[Sequence], budget: int) -> list[Row]:
-        """Decodes for the tokens that rows preempted while securing blocks gave back.
+        """`rows`, and decodes for the tokens that rows preempted while securing blocks
+        gave back.
 
         A prompt chunk may take the whole budget and then preempt itself for blocks: the
         decodes it crowded out run instead (a step never idles while a decode can run).
         Without chunked prefill a step mixes nothing: decodes run only if no prompt did."""
         if rows and not self.config.chunked_prefill:
-            return []
-        scheduled = {id(seq) for seq, _ in rows}
-        left = [s for s in decoding if id(s) not in scheduled and s in self.running]
-        spare = budget - sum(n for _, n in rows)
-        if not left or spare <= 0:
-            return []
-        return self._secure_blocks(self._decodes(left, spare))
+            return rows
+        while True:
+            # A refill decode that needs blocks preempts by the victim rule over every
+            # running sequence, this step's rows included (as vLLM V1's scheduler does
+            # for a running request it cannot allocate): sparing the rows would let a
+            # low-priority chunk outrank a high-priority decode. A row whose sequence is
+            # preempted leaves the step, and its tokens go back to the budget for the
+            # decodes still left; each pass schedules or preempts at least one of them.
+            running = {id(seq) for seq in self.running}
+            rows = [(seq, n) for seq, n in rows if id(seq) in running]
+            scheduled = {id(seq) for seq, _ in rows}
+            left = [s for s in decoding if id(s) in running and id(s) not in scheduled]
+            spare = budget - sum(n for _, n in rows)
+            if not left or spare <= 0:
+                return rows
+            rows += self._secure_blocks(self._decodes(left, spare))
+
+    def _check_rows(self, rows: list[Row]) -> None:
+        """A step holds each row's sequence once, and only while it runs: a sequence
+        preempted while the step was built has left it (its table is gone)."""
+        running = {id(seq) for seq in self.running}
+        ids = [id(seq) for seq, _ in rows]
+        require(
+            set(ids) <= running,
+            "a step holds a row whose sequence was preempted while the step was built",
+        )
+        require(len(set(ids)) == len(ids), "a step holds one sequence in two rows")
 
     def _by_priority(self, seqs: list[Sequence]) -> list[Sequence]:
         return sorted(seqs, key=victim_key)
