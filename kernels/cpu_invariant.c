@@ -32,8 +32,13 @@
 
 #define LANES 16 /* partial sums per output, on every CPU */
 #define NB 16    /* output columns per task */
-#define TM 2     /* register tile: rows ... */
-#define TN 2     /* ... by columns */
+#if defined(__AVX512F__)
+#define TM 4 /* register tile: rows ... (16-float vectors: 32 registers) */
+#define TN 4 /* ... by columns */
+#else
+#define TM 2 /* register tile: rows ... (AVX2: two registers a lane set, 16 in all) */
+#define TN 2
+#endif
 #define MIN_PARALLEL (1 << 15) /* below this many multiply-adds, one thread */
 
 typedef float lanes __attribute__((vector_size(LANES * 4)));
