@@ -191,9 +191,18 @@ drift_figure(int8, "int8 KV: where each answer parts from its run alone").show()
 # cross a rounding boundary of its int8 code, and then it moves by a whole step,
 # 1/127 of its scale. The same stored values feed every later step, so one such code
 # changes the logits by orders of magnitude more than the fp32 drift itself (compare the
-# two `max_logit_change` columns), and margins of that size are common. This is how
-# notebook 07 found 3 of 5 int8 answers equal to naive's under load and 4 when quiet:
-# the load changed which requests shared steps.
+# two `max_logit_change` columns). Whether an answer parts then depends on the margins
+# it meets: the table above lists the partings of this run (on some CPUs, in 16 tokens,
+# none), and the saved search, over 16 prompts and 32 tokens each, lists where it found
+# them on its machine:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (a saved run: its machine, not necessarily this one)
+for setting, row in found.items():
+    where = [(r["prompt"], int(r["parts_at"])) for r in row["partings"]]
+    print(f"{setting:20} answers that part (prompt, token): {where or 'none'}")
+print({key: search["provenance"][key] for key in ("machine", "cpu_flags", "date")})
 
 # %% [markdown]
 # ## 4 · The fix: `EngineConfig(batch_invariant=True)`
@@ -266,9 +275,14 @@ print(pd.Series(ratios).unstack().to_string())
 print({key: cost["provenance"][key] for key in ("machine", "cpu_flags", "date", "command")})
 
 # %% [markdown]
-# The torch path pays for padded rows (a decode's 3 query heads per KV head become 16
-# rows), the blocked value sums and the score matrix; the kernels path pays little,
-# because the native prompt kernel was already computing rows independently.
+# Both paths pay mostly for the linears: oneDNN's matmuls (the default mode) pick
+# blocking, vector width and FMA by the shape and the CPU, while kvlab's fixed-order dot
+# products (`kernels/cpu_invariant.c`) sum every output the same way, rounding each
+# product and sum on its own (no FMA), and that costs speed: about half the default
+# mode's tok/s in the saved run (the ratios above; a notebook's live run of the same
+# benchmark prints its own). The torch attention path also pays for its score matrix;
+# the kernels path's attention costs little, because the native prompt kernel was
+# already computing rows independently.
 
 # %% [markdown]
 # ## What to try next
