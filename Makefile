@@ -26,7 +26,8 @@ PYTEST_ARGS ?=
 # make test runs on every core: pytest-xdist workers, each a test module or a notebook at
 # a time (--dist loadfile; tests/conftest.py puts the long ones first, and
 # --no-loadscope-reorder keeps that order instead of xdist's most-tests-first);
-# TEST_WORKERS=0 runs everything in one process.
+# TEST_WORKERS=0 runs everything in one process. --durations=30 prints the slowest units,
+# against the 15-minute budget of make test.
 TEST_WORKERS ?= auto
 # vLLM, kvlab's peer and oracle (kvlab/peers/vllm_peer.py), lives in a venv of its
 # own: it pins a transformers kvlab's venv cannot have. A machine with nvidia-smi gets
@@ -153,7 +154,7 @@ lint: setup
 test:
 	@echo "setting up .venv, $(VLLM_VENV), $(GRADING) and chromium side by side ..."
 	@$(MAKE) --no-print-directory -j4 --output-sync=target lint browser peers grading
-	KVLAB_REQUIRE_DEV=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg $(PYTEST_ARGS)
+	KVLAB_REQUIRE_DEV=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(NOTEBOOKS) --nbval --nbval-sanitize-with notebooks/sanitize.cfg --durations=30 $(PYTEST_ARGS)
 
 # The inner loop (tests/conftest.py, FAST_TIER): the tiny model's tests and a real-model
 # smoke test, no servers, vLLM, browser, notebooks, wheel or docs. Under 3 minutes.
