@@ -39,14 +39,19 @@ def differing(reference, answers) -> int:
     return int((frame["steps"] - frame["bit_exact"]).sum())
 
 
+def assert_same_bits_in_every_setting(model, attention: str) -> None:
+    """Each of SETTINGS gives the reference's bits at every step of every prompt."""
+    prompts, companions = prompts_of(model, 16)[:4], prompts_of(model, 16)[4:]
+    base = {"attention": attention, "block_size": 8, "batch_invariant": True}
+    reference = run(model, prompts, ALONE, new_tokens=6, base=base)
+    for setting in SETTINGS:
+        answers = run(model, prompts, setting, 6, base, companions)
+        assert differing(reference, answers) == 0, setting.name
+
+
 @pytest.mark.parametrize("attention", ["torch", "kernels"])
 def test_tiny_model_logits_are_the_same_bits_in_every_setting(tiny_model, attention):
-    prompts, companions = prompts_of(tiny_model, 16)[:4], prompts_of(tiny_model, 16)[4:]
-    base = {"attention": attention, "block_size": 8, "batch_invariant": True}
-    reference = run(tiny_model, prompts, ALONE, new_tokens=6, base=base)
-    for setting in SETTINGS:
-        answers = run(tiny_model, prompts, setting, 6, base, companions)
-        assert differing(reference, answers) == 0, setting.name
+    assert_same_bits_in_every_setting(tiny_model, attention)
 
 
 @pytest.mark.parametrize("attention", ["torch", "kernels"])
@@ -54,12 +59,7 @@ def test_bf16_logits_are_the_same_bits_in_every_setting(tiny_model_path, attenti
     """bf16 weights and K/V: the same guarantee (each product summed in fp32 in the fixed
     order, rounded to bf16 once, as the default path rounds)."""
     model = kvlab.load_model(tiny_model_path, device="cpu", dtype=torch.bfloat16, progress=False)
-    prompts, companions = prompts_of(model, 16)[:4], prompts_of(model, 16)[4:]
-    base = {"attention": attention, "block_size": 8, "batch_invariant": True}
-    reference = run(model, prompts, ALONE, new_tokens=6, base=base)
-    for setting in SETTINGS:
-        answers = run(model, prompts, setting, 6, base, companions)
-        assert differing(reference, answers) == 0, setting.name
+    assert_same_bits_in_every_setting(model, attention)
 
 
 def test_without_it_the_same_settings_change_bits(tiny_model):
