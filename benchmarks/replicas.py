@@ -54,6 +54,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from stamp import machine_class, provenance  # noqa: E402
 
+from kvlab.experiments.scripts import sized
 from kvlab.model.loading import EMBEDDED_MODEL, cache_dir  # noqa: E402
 from kvlab.route.replicas import ServeReplicas, free_port  # noqa: E402
 from kvlab.route.sessions import run_chats, summary, tenant_sessions  # noqa: E402
@@ -233,9 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--out", default=None, help="default benchmarks/results/replicas.<class>.json"
     )
     args = parser.parse_args(argv)
-    for name, (full, quick) in SIZES.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    sized(args, SIZES)
     if args.vllm_router is None:
         args.vllm_router = "none" if args.quick else shutil.which("vllm-router")
     served = args.model or MODEL_PATH  # the served name; vllm-router reads its tokenizer

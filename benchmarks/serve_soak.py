@@ -29,6 +29,7 @@ import torch
 
 import kvlab
 from kvlab import texts
+from kvlab.experiments.scripts import sized
 from kvlab.serve import ServerThread, engine_config
 from kvlab.serve.audit import TenantAudit
 from kvlab.serve.soak import settle, soak
@@ -51,10 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    sizes = {"clients": (64, 8), "max_tokens": (8, 4), "prompts": (16, 4)}  # (full, --quick)
-    for name, (full, quick) in sizes.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    sizes = {"clients": (64, 8), "max_tokens": (8, 4), "prompts": (16, 4)}
+    sized(args, sizes)  # (full, --quick)
 
     model = kvlab.load_model(args.model, device="cpu", progress=False)
     max_model_len = 1024

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import kvlab
+from kvlab.experiments.scripts import sized
 from kvlab.serve import ServerThread, engine_config
 from kvlab.serve.limits import ServeLimits
 from kvlab.serve.probe import bearer, first_token_s, flood
@@ -79,10 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    sizes = {"rounds": (3, 1), "flooders": (16, 4), "probes": (6, 2)}  # (full, --quick)
-    for name, (full, quick) in sizes.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    sizes = {"rounds": (3, 1), "flooders": (16, 4), "probes": (6, 2)}
+    sized(args, sizes)  # (full, --quick)
 
     model = kvlab.load_model(args.model, device="cpu", progress=False)
     config = engine_config("paged+prefix", max_model_len=512, kv_budget_tokens=4096, max_num_seqs=8)

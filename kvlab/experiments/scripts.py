@@ -31,6 +31,14 @@ def script_parser(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def sized(args: argparse.Namespace, sizes: dict[str, tuple[int, int]]) -> None:
+    """Fill each option of `sizes` (name: (full, quick)) the command line left unset with
+    its full size, or its --quick one."""
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+
 def load(args: argparse.Namespace) -> LoadedModel:
     """The model `--model` names (default: the embedded SmolLM2-135M-Instruct), after
     setting torch's threads to `--threads`."""
