@@ -2,7 +2,9 @@
 (kvlab.route.events) reads both streams, and the stored and removed blocks must be the
 same, in the same order.
 
-Both sides: the embedded model (vLLM loads kvlab's safetensors copy), fp32, greedy,
+Both sides: the tiny model in a shape vLLM's CPU build serves (tests/bench_scripts.py:
+the embedded tokenizer, 2 layers, head size 32; events depend on token ids, and the tiny
+model makes vLLM's start and each step cheap), fp32, greedy,
 block size 32 (vLLM's CPU build takes multiples of 32 only), prefix caching with
 sha256_cbor hashes and vLLM's default NONE_HASH seed, and the same usable KV: vLLM's
 `--kv-cache-memory-bytes` buys N blocks of which it keeps one back (its null block), so
@@ -22,7 +24,7 @@ ids, its extra keys) and every removed hash. Differences this workload avoids, a
 - Batch boundaries (which events share a KVEventBatch) follow each engine's steps; the
   comparison flattens them.
 
-`vllm serve` takes 1-3 minutes to start here; kvlab's side runs meanwhile. Skips, saying
+`vllm serve` takes about a minute to start here; kvlab's side runs meanwhile. Skips, saying
 why, where vLLM's venv is missing.
 """
 
@@ -38,6 +40,8 @@ import pytest
 
 pytest.importorskip("zmq")
 pytest.importorskip("fastapi")
+
+from bench_scripts import vllm_tiny_checkpoint  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab.checks.vllm_oracle import block_bytes  # noqa: E402
@@ -111,6 +115,7 @@ def collector(streams: dict[str, list[dict]]):
 
 
 def test_kvlab_and_vllm_serve_publish_the_same_blocks(model, tmp_path):
+    model = kvlab.load_model(str(vllm_tiny_checkpoint(tmp_path / "tiny", model.tokenizer)))
     requests = workload()
     streams: dict[str, list[dict]] = {}
     subscriber = EventSubscriber(collector(streams))
