@@ -19,8 +19,116 @@ import torch
 from kvlab.cache import BlockAllocator, OutOfBlocks
 from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
-from kvlab.labs import allocator, hashing, int8, metrics, rollback, scorer, tier, victim, window
+from kvlab.labs import (
+    allocator,
+    hashing,
+    int8,
+    kv_cache,
+    metrics,
+    rollback,
+    scorer,
+    tier,
+    victim,
+    window,
+)
 from kvlab.units import ceil_div
+
+
+# --- lab 0: the KV cache of one attention layer ---------------------------------------------
+class KVCacheAnswer:
+    """The right answer (the lab's solution); each mistake below changes one method."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, dtype=torch.float32):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.k = torch.empty(0, num_kv_heads, head_dim, dtype=dtype)
+        self.v = torch.empty(0, num_kv_heads, head_dim, dtype=dtype)
+
+    def append(self, k, v):
+        self.k = torch.cat((self.k, k))
+        self.v = torch.cat((self.v, v))
+
+    def attend(self, q):
+        n, total = q.shape[0], self.k.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        k = self.k.repeat_interleave(group, dim=1)
+        v = self.v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,thd->hnt", q, k) * self.head_dim**-0.5
+        position = torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(torch.arange(total)[None, :] > position, float("-inf"))
+        return torch.einsum("hnt,thd->nhd", scores.softmax(dim=-1), v)
+
+
+class NoCausalMask(KVCacheAnswer):
+    """Forgets the mask: a prompt's tokens see the tokens after them."""
+
+    def attend(self, q):
+        group = self.num_heads // self.num_kv_heads
+        k = self.k.repeat_interleave(group, dim=1)
+        v = self.v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,thd->hnt", q, k) * self.head_dim**-0.5
+        return torch.einsum("hnt,thd->nhd", scores.softmax(dim=-1), v)
+
+
+class CausalFromTheTopLeft(KVCacheAnswer):
+    """torch's is_causal=True: its mask is aligned top-left, as if the new tokens came first."""
+
+    def attend(self, q):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            self.k.transpose(0, 1),
+            self.v.transpose(0, 1),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+class RepeatsKNotV(KVCacheAnswer):
+    """GQA: repeats the KV heads of K for the query heads, but not those of V."""
+
+    def attend(self, q):
+        n, total = q.shape[0], self.k.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        k = self.k.repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,thd->hnt", q, k) * self.head_dim**-0.5
+        position = torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(torch.arange(total)[None, :] > position, float("-inf"))
+        return torch.einsum("hnt,thd->nhd", scores.softmax(dim=-1), self.v)
+
+
+class TilesKVHeads(KVCacheAnswer):
+    """GQA with .repeat: query head h reads KV head h % num_kv_heads, not h // group."""
+
+    def attend(self, q):
+        n, total = q.shape[0], self.k.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        k = self.k.repeat(1, group, 1)
+        v = self.v.repeat(1, group, 1)
+        scores = torch.einsum("nhd,thd->hnt", q, k) * self.head_dim**-0.5
+        position = torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(torch.arange(total)[None, :] > position, float("-inf"))
+        return torch.einsum("hnt,thd->nhd", scores.softmax(dim=-1), v)
+
+
+class OverwritesTheCache(KVCacheAnswer):
+    """append replaces the cached K/V with the new tokens' instead of adding to them."""
+
+    def append(self, k, v):
+        self.k, self.v = k, v
+
+
+class ScalesByHeadDim(KVCacheAnswer):
+    """Divides the scores by head_dim instead of its square root."""
+
+    def attend(self, q):
+        n, total = q.shape[0], self.k.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        k = self.k.repeat_interleave(group, dim=1)
+        v = self.v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,thd->hnt", q, k) / self.head_dim
+        position = torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(torch.arange(total)[None, :] > position, float("-inf"))
+        return torch.einsum("hnt,thd->nhd", scores.softmax(dim=-1), v)
 
 
 # --- lab 1: block allocator -----------------------------------------------------------------
@@ -621,6 +729,7 @@ class Mistake:
 
 
 LAB_NAMES = (  # every lab, in order: the tests check the folders and workflow against it
+    "00_kv_cache",
     "01_block_allocator",
     "02_block_hash",
     "03_int8_codec",
@@ -631,8 +740,14 @@ LAB_NAMES = (  # every lab, in order: the tests check the folders and workflow a
     "08_reading_metrics",
     "09_precise_scorer",
 )
-L1, L2, L3, L4, L5, L6, L7, L8, L9 = LAB_NAMES
+L0, L1, L2, L3, L4, L5, L6, L7, L8, L9 = LAB_NAMES
 MISTAKES = [
+    Mistake(L0, NoCausalMask, kv_cache.CAUSAL, ["appended after it", "-inf"]),
+    Mistake(L0, CausalFromTheTopLeft, kv_cache.ATTENDS, ["is_causal=True", "top-left"]),
+    Mistake(L0, RepeatsKNotV, kv_cache.GQA, ["RuntimeError", "K and V alike"]),
+    Mistake(L0, TilesKVHeads, kv_cache.GQA, ["h % 3", "repeat_interleave(3, dim=1)"]),
+    Mistake(L0, OverwritesTheCache, kv_cache.KEEPS, ["(1, 2, 4)", "torch.cat((self.k, k))"]),
+    Mistake(L0, ScalesByHeadDim, kv_cache.ATTENDS, ["1 / head_dim", "head_dim ** -0.5"]),
     Mistake(L1, FreesOnFirstDecref, allocator.LAST_REF, ["a.incref(0)", "still has 1 reference"]),
     Mistake(L1, AllowsDoubleFree, allocator.DOUBLE_FREE, ["a.decref(0)", "ValueError"]),
     Mistake(L1, LosesUncachedBlocks, allocator.CONSERVED, ["a.uncache(0)", "num_free=1"]),
@@ -717,6 +832,7 @@ def of(lab: str) -> list[Mistake]:
 
 # The names each lab's grader cell reads from the exercise cell, bound to a mistake.
 BINDINGS = {
+    L0: "LabKVCache = {name}",
     L1: "LabBlockAllocator = {name}",
     L2: "block_keys = {name}",
     L3: "quantize_int8, dequantize_int8 = {name}, dequantize",
@@ -765,8 +881,8 @@ def submission(mistake: Mistake) -> str:
     parts = [IMPORTS, inspect.getsource(mistake.code)]
     if mistake.lab == L3:
         parts.append(inspect.getsource(dequantize))
-    if mistake.lab == L7:  # the right answer the mistake changes one method of
-        parts.insert(1, inspect.getsource(TierAnswer))
+    if mistake.lab in (L0, L7):  # the right answer the mistake changes one method of
+        parts.insert(1, inspect.getsource(KVCacheAnswer if mistake.lab == L0 else TierAnswer))
     if mistake.lab == L9:
         parts.insert(1, inspect.getsource(ScorerAnswer))
     if mistake.lab == L8:  # the right functions, the mistake bound in place of its own

@@ -32,17 +32,21 @@ from kvlab.engine.scheduler import choose_victim
 from kvlab.integrity import IntegrityError
 from kvlab.labs import (
     KvlabHostTier,
+    KvlabKVCache,
     KvlabScorer,
     LabFailure,
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_kv_cache,
     check_metrics_reading,
     check_precise_scorer,
     check_spec_rollback,
     check_tier_lru,
     check_victim_choice,
     check_window_release,
+    kv_cache,
+    kv_inputs,
     kvlab_block_keys,
     kvlab_dequantize,
     kvlab_hit_rate,
@@ -59,6 +63,7 @@ from kvlab.sequence import Sequence
 LABS = student.LABS
 NAMES = list(LAB_NAMES)
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
+    "00_kv_cache": check_kv_cache,
     "01_block_allocator": check_block_allocator,
     "02_block_hash": check_block_hash,
     "03_int8_codec": check_int8_codec,
@@ -70,6 +75,7 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "09_precise_scorer": check_precise_scorer,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
+    "00_kv_cache": (KvlabKVCache,),
     "01_block_allocator": (BlockAllocator,),
     "02_block_hash": (kvlab_block_keys,),
     "03_int8_codec": (kvlab_quantize, kvlab_dequantize),
@@ -113,6 +119,9 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
     result = grade_mistake(mistake)
     assert_rejects(result, mistake.invariant, *mistake.phrases)
     example = result.failures[0].example
+    if mistake.lab == "00_kv_cache":  # runnable: the cache, its inputs, the calls
+        assert example.startswith(f"cache = {mistake.name}(num_heads=")
+        assert "kv_inputs(" in example and len(example.splitlines()) <= 14
     if mistake.lab == "01_block_allocator":
         assert f"a = {mistake.name}(" in example  # runnable, and short
         assert len(example.splitlines()) <= 8
@@ -166,6 +175,38 @@ def test_wrong_hashes_serve_wrong_kv_in_the_paged_cache(fn):
         "a request reads back exactly the K/V written for its own prefix and tenant",
         "PagedCache.check_integrity() holds after every operation",
     )
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, appends", [(2, 2, [3, 1, 2]), (9, 3, [4, 1]), (4, 1, [1, 1])]
+)
+def test_the_kv_cache_reference_is_pooled_attention_over_a_pool(heads, kv_heads, appends):
+    # KvlabKVCache (kvlab's KVPool read by pooled_attention) equals attention written out
+    q, k, v = kv_inputs(sum(appends), heads, kv_heads, 8, draw=5)
+    ref, end = KvlabKVCache(heads, kv_heads, 8), 0
+    for n in appends:
+        ref.append(k[end : end + n], v[end : end + n])
+        end += n
+        assert torch.equal(ref.k, k[:end]) and torch.equal(ref.v, v[:end])
+        plain = kv_cache._attention(q[end - n : end], k[:end], v[:end], 8**-0.5)
+        torch.testing.assert_close(ref.attend(q[end - n : end]), plain.float())
+
+
+def test_the_kv_cache_grader_compares_the_real_models_logits():
+    # the model check runs: kvlab's runner through KvlabKVCache matches transformers without
+    # a cache, and a cache that is right on the small checks' shapes only is caught there
+    ids, want = kv_cache._no_cache_logits(kv_cache.MODEL_TEXTS[0])
+    got = kv_cache.run_model_with_cache(KvlabKVCache, ids, [4] + [1] * (len(ids) - 4))
+    assert got.shape == want.shape and float((got - want).abs().max()) <= kv_cache.MODEL_ATOL
+
+    class OffAtTheModelsHeadDim(KvlabKVCache):  # right on the small checks' head sizes
+        def attend(self, q):
+            out = super().attend(q)
+            return out * 0.999 if self.head_dim == 64 else out
+
+    result = check_kv_cache(OffAtTheModelsHeadDim, verbose=False)
+    assert [f.check for f in result.failures] == ["SmolLM2's logits through your cache"]
+    assert "the next token would be" in result.failures[0].got
 
 
 def test_int8_failures_are_cut_to_a_small_slice():
@@ -326,7 +367,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_nine_labs_each_one_source_and_its_student_version():
+def test_there_are_ten_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):

@@ -36,6 +36,7 @@ from kvlab.labs import (
     check_block_allocator,
     check_block_hash,
     check_int8_codec,
+    check_kv_cache,
     check_metrics_reading,
     check_precise_scorer,
     check_spec_rollback,
@@ -60,6 +61,7 @@ GRADERS = dict(
     zip(
         NAMES,
         [
+            check_kv_cache,
             check_block_allocator,
             check_block_hash,
             check_int8_codec,

@@ -8,7 +8,9 @@ smallest failing input found (as code to paste and run) and what was expected.
     from kvlab.labs import check_block_allocator
     result = check_block_allocator(MyAllocator)   # prints "... all 5 checks passed."
 
-The references are kvlab's own parts, through their public interfaces: `BlockAllocator`,
+The references are kvlab's own parts, through their public interfaces: one layer's K/V in a
+`KVPool` read by `pooled_attention` (`KvlabKVCache`; the lab-0 grader also runs the real
+model through the learner's cache, `run_model_with_cache`), `BlockAllocator`,
 `HashPrefixIndex.keys` (`kvlab_block_keys`), the `Int8` codec (`kvlab_quantize`,
 `kvlab_dequantize`), `kvlab.engine.scheduler.choose_victim` (`kvlab_victim`), the
 speculative rollback `KVCache.rewind` with `BlockAllocator.decref` (`kvlab_rollback`) and
@@ -24,6 +26,14 @@ from kvlab.labs.allocator import check_block_allocator
 from kvlab.labs.grading import Failure, LabFailure, LabResult
 from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
 from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
+from kvlab.labs.kv_cache import (
+    KvlabKVCache,
+    check_kv_cache,
+    generate_with_cache,
+    generate_without_cache,
+    kv_inputs,
+    run_model_with_cache,
+)
 from kvlab.labs.metrics import check_metrics_reading, kvlab_hit_rate, kvlab_parse, kvlab_preemptions
 from kvlab.labs.metrics_pages import example_pages
 from kvlab.labs.rollback import Rollback, check_spec_rollback, kvlab_rollback
@@ -36,12 +46,14 @@ __all__ = [
     "Failure",
     "LabFailure",
     "KvlabHostTier",
+    "KvlabKVCache",
     "KvlabScorer",
     "LabResult",
     "Rollback",
     "check_block_allocator",
     "check_block_hash",
     "check_int8_codec",
+    "check_kv_cache",
     "check_metrics_reading",
     "check_precise_scorer",
     "check_spec_rollback",
@@ -50,6 +62,9 @@ __all__ = [
     "check_window_release",
     "kvlab_block_keys",
     "example_pages",
+    "generate_with_cache",
+    "generate_without_cache",
+    "kv_inputs",
     "kvlab_dequantize",
     "kvlab_hit_rate",
     "kvlab_parse",
@@ -58,5 +73,6 @@ __all__ = [
     "kvlab_release",
     "kvlab_rollback",
     "kvlab_victim",
+    "run_model_with_cache",
     "running_seq",
 ]

@@ -10,6 +10,7 @@ the example shown is small enough to follow by hand.
 
 from __future__ import annotations
 
+import importlib.util
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 _HERE = str(Path(__file__).parent)
+_TORCH = importlib.util.find_spec("torch")
+# torch's own frames: a learner's tensor call that fails is reported at the learner's line
+_LIBRARIES = (str(Path(_TORCH.origin).parent),) if _TORCH and _TORCH.origin else ()
 
 
 class Broken(Exception):
@@ -130,9 +134,9 @@ SEED_STRIDE = 1000
 
 
 def where(error: BaseException) -> str:
-    """The learner's line that raised (the last frame outside kvlab.labs), if any."""
+    """The learner's line that raised (the last frame outside kvlab.labs and torch), if any."""
     every = traceback.extract_tb(error.__traceback__)
-    frames = [f for f in every if _HERE not in f.filename]
+    frames = [f for f in every if _HERE not in f.filename and not f.filename.startswith(_LIBRARIES)]
     if not frames:  # raised by the grader itself
         f = every[-1] if every else None
         return f" (in the grader, {Path(f.filename).name} line {f.lineno})" if f else ""

@@ -143,5 +143,8 @@ result.raise_for_check("agrees with kvlab's Int8 codec")
 #   does kvlab store scales in bfloat16?
 # * Serve the real model with `EngineConfig(kv_codec="int8")` and compare its greedy output
 #   and perplexity with the baseline (the quantization notebook does this for every codec).
-# * vLLM's fp8 KV cache uses one scale per layer: fp8 has an exponent, so a shared scale
-#   hurts it far less than int8. Try `kv_codec="fp8_e4m3"`.
+# * vLLM's fp8 KV cache uses by default one scale per layer for K and one for V (1.0 unless
+#   calibrated; [quantized KV cache](https://github.com/vllm-project/vllm/blob/main/docs/features/quantization/quantized_kvcache.md)):
+#   fp8 has an exponent, so a shared scale hurts it far less than int8. kvlab's
+#   `kv_codec="fp8_e4m3"` keeps a scale per token per head, like this lab's int8: try it,
+#   then quantize a K tensor to `torch.float8_e4m3fn` with a scale of 1.0 and compare.

@@ -17,10 +17,11 @@
 # %% [markdown]
 # # Lab 8 · Reading a vLLM /metrics page
 #
+# Do this lab after notebook 13, which runs `kvlab serve` and talks to it over HTTP.
 # Notebook 07's dashboard reads the engine directly; a server in production is read
 # through its `/metrics` page instead. kvlab serve exposes the series `vllm serve` exposes,
-# with vLLM's names, labels and meanings (README, "/metrics: vLLM's names and meanings";
-# kvlab/serve/metrics.py). The page is Prometheus text:
+# with vLLM's names, labels and meanings (the section "/metrics: vLLM's names and
+# meanings" of docs/design/serve.md; kvlab/serve/metrics.py). The page is Prometheus text:
 #
 # ```
 # # HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
