@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -14,11 +14,13 @@
 # ---
 
 # %% [markdown]
+#
+# %% [markdown]
 # # 11 · Long context on a budget: windows, sinks and eviction
 #
 # *Engine files shown here:* `kvlab/cache/retention/` (`base.py`, `full.py`, `window.py`,
-# `sinks.py`, `h2o.py`, `scores.py`), `kvlab/cache/paged.py` (`retain`),
-# `kvlab/model/retained_metadata.py`, `kvlab/experiments/longctx.py`,
+# `sinks.py`, `h2o.py`, `scores.py`), `kvlab/cache/swap_retention.py` (`retain`),
+# `kvlab/model/metadata.py` (`build_retained_metadata`), `kvlab/experiments/longctx.py`,
 # `kvlab/viz/retention.py`.
 #
 # A sequence's KV grows by one token's keys and values in every layer per token. A
@@ -31,21 +33,31 @@
 # - **h2o** (heavy hitters): the recent window plus the older blocks that received the
 #   most attention so far, scored on the torch reference path.
 #
-# This notebook shows the block table as the window slides, what happens to positions
-# and to prefix sharing, the memory held against context length, and what each policy
-# costs in perplexity and in recall of a fact hidden in a long prompt, on the real model.
+# This notebook shows the block table as the window slides and the lines that release
+# its blocks, what happens to positions and to prefix sharing, the memory held against
+# context length, and what each policy costs in perplexity and in recall of a fact hidden
+# in a long prompt, on the real model.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model. `FULL_SIZE = True` runs a bigger needle set and longer text (many minutes
-# on a CPU; `benchmarks/long_context.py` prints the same figures from the command line).
+# the model. `FULL_SIZE = True` runs haystacks of 1k-4k tokens at three budgets and 4k
+# tokens of text (many minutes on a CPU; `benchmarks/long_context.py` prints the same
+# figures from the command line, and its saved run is read in the last section).
 
 # %%
+import json
+from pathlib import Path
+
+import pandas as pd
 import plotly.io as pio
 import torch
+from IPython.display import display
 
 import kvlab
-from kvlab.cache.retention import DROPPED, RETENTION
+from kvlab.cache.retention import DROPPED, RETENTION, RetentionPolicy
+from kvlab.cache.retention.sinks import SinksRetention
+from kvlab.cache.swap_retention import SwapAndRetention
 from kvlab.config import EngineConfig, SamplingParams
+from kvlab.course import ask, show_source
 from kvlab.experiments import longctx, quality
 from kvlab.model.metadata import build_retained_metadata
 from kvlab.units import MiB
@@ -55,13 +67,15 @@ pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
-FULL_SIZE = False  # True: haystacks of 1k-4k tokens, 3 depths, 4k tokens of text
-NEEDLE_LENGTHS = [1000, 2000, 4000] if FULL_SIZE else [160]
-NEEDLE_DEPTHS = [0.1, 0.5, 0.9] if FULL_SIZE else [0.25, 0.75]
+FULL_SIZE = False  # True: haystacks of 1k-4k tokens, budgets of 10/25/50 %, 4k tokens of text
+NEEDLE_LENGTHS = [1000, 2000, 4000] if FULL_SIZE else [512]
+NEEDLE_DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9]  # where the fact sits in the haystack
 PPL_TOKENS, PPL_BUDGET = (4096, 256) if FULL_SIZE else (384, 96)
 FRACTIONS = (0.1, 0.25, 0.5) if FULL_SIZE else (0.5,)  # budgets: shares of the KV
-MAP_TOKENS, MAP_NEW = (200, 48) if FULL_SIZE else (160, 32)  # the block map's request
+ANSWER_TOKENS = 16  # enough for "The magic number of <city> is <n>."
+MAP_TOKENS, MAP_NEW = 160, 32  # the block map's request: prompt tokens, then greedy ones
 CHUNK = 64  # prefill chunk: a policy acts between chunks
+RESULTS = Path("../benchmarks/results")  # saved runs of benchmarks/long_context.py
 print(model.name, "on", device)
 
 # %% [markdown]
@@ -79,20 +93,50 @@ print("retention policies:", RETENTION.names())
 # ## The block map as the window slides
 #
 # 160 tokens of held-out prose, prefilled in chunks of 32, then 32 greedy tokens, with
-# sinks = 16 tokens (one block) and a window of 64. Each row is the sequence's block
-# table after a step: blue blocks are kept (the number is the physical block), orange
-# ones were dropped and went back to the free list. The table keeps its length: position
-# `p` still lives in logical block `p // 16`.
+# sinks = 16 tokens (one block) and a window of 64, in blocks of 16:
 
 # %%
 text = quality.heldout_ids(model, MAP_TOKENS)
 sliding = EngineConfig(cache="paged", retention="sinks", retention_sinks=16,
                        retention_window=64, chunked_prefill=True, max_num_batched_tokens=32,
                        kv_budget_tokens=512)  # fmt: skip
+print(f"block_size={sliding.block_size}, sinks={sliding.retention_sinks}, "
+      f"window={sliding.retention_window}")  # fmt: skip
+
+# %% [markdown]
+# **Check yourself.** Before you run the map: once the whole prompt is in (160 tokens
+# computed), which logical blocks of the sequence's table are still kept? Write the list
+# of logical block numbers (the table has 160 / 16 = 10 of them, 0-9), then find the row
+# "160" in the map below to see the answer.
+
+# %%
+my_kept_blocks = None  # your answer: a list of logical block numbers, e.g. [0, 1, 2]
+ask("11.sinks-kept", my_kept_blocks, config=sliding)
+
+# %% [markdown]
+# Each row of the map is the sequence's block table after a step (the y axis: tokens in
+# the cache then). Blue blocks are kept (the number is the physical block), orange ones
+# were dropped and went back to the free list. The table keeps its length: position `p`
+# still lives in logical block `p // 16`.
+
+# %%
 trace = longctx.table_trace(model, text, sliding, max_new_tokens=MAP_NEW)
 last = trace[trace["step"] == trace["step"].max()]
 print("last table:", [b if b != DROPPED else "x" for b in last["physical"]])
 block_map_figure(trace)
+
+# %% [markdown]
+# The lines that decide and release. A policy names the logical blocks to drop among the
+# full, computed ones (`candidates`); the window starts at the block holding the
+# `retention_window`-th last token (`recent_start`); the sinks policy spares the blocks
+# before `self.sinks`. The cache then writes `DROPPED` into the table, takes the block out
+# of the prefix index if no other sequence holds it, and gives it back to the allocator
+# (`decref` returns true when its count reaches zero):
+
+# %%
+display(show_source(RetentionPolicy, start="def candidates", end="return max("))
+display(show_source(SinksRetention.drop))
+show_source(SwapAndRetention.retain)
 
 # %% [markdown]
 # Without sinks (`retention="window"`) block 0 goes as well:
@@ -104,13 +148,37 @@ last = trace[trace["step"] == trace["step"].max()]
 print("last table:", [b if b != DROPPED else "x" for b in last["physical"]])
 
 # %% [markdown]
-# ## Positions stay the original ones
+# ## Positions: the text's, not the cache's
 #
-# K is stored already rotated by RoPE at its token's position, so a dropped token leaves
-# nothing to renumber: kept tokens keep their positions and a new query uses its absolute
-# position. (StreamingLLM renumbers positions inside its cache; kvlab keeps the original
-# ones.) The metadata of one decode step for a table whose blocks 0 and 2 were dropped
-# (block size 4, the new token at position 15):
+# StreamingLLM ([Xiao et al., 2023](https://arxiv.org/abs/2309.17453), section 3.2)
+# numbers positions *inside its cache*: with the tokens at text positions
+# [0, 1, 2, 3, 6, 7, 8] cached and token 9 being decoded, it assigns the positions
+# [0, 1, ..., 7], not the text's [0, 1, 2, 3, 6, 7, 8, 9]. The reason is RoPE past the
+# trained window. StreamingLLM's aim is a stream millions of tokens long; a RoPE model's
+# attention depends on the distance between a query's position and a key's, and the
+# model has never been trained on distances beyond its pre-training context: past it,
+# the paper shows, perplexity blows up. Numbered inside the cache, no distance ever
+# exceeds the cache size, however long the stream. For that it caches keys *before* the
+# rotation and rotates them again at every decoding step.
+#
+# kvlab does not renumber. Its K is stored already rotated at its token's text position
+# (as vLLM's is), so a dropped token leaves nothing to renumber: kept tokens keep their
+# positions and a query uses its absolute position. The price is the one StreamingLLM
+# avoids: a kvlab sequence still ends at `max_model_len` (at most the model's
+# `max_position_embeddings`). kvlab's policies cap a long context's *memory*, not its
+# length.
+#
+# **Check yourself.** In StreamingLLM's example above, which position does the new
+# token's query get? (kvlab would give it 9.)
+
+# %%
+my_query_position = None  # your answer: a whole number
+ask("11.streaming-position", my_query_position, kept=[0, 1, 2, 3, 6, 7, 8])
+
+# %% [markdown]
+# kvlab's metadata of one decode step for a table whose blocks 0 and 2 were dropped
+# (block size 4, the new token at position 15): the query keeps position 15, and it
+# attends to the slots of blocks 5 and 7 only.
 
 # %%
 meta = build_retained_metadata([15], [1], [[DROPPED, 5, DROPPED, 7]], 4, torch.device("cpu"))
@@ -155,53 +223,99 @@ print(table[["policy", "ppl", "ppl_vs_full_pct", "final_kv_mib"]].round(2).to_st
 memory_figure(memory)
 
 # %% [markdown]
-# The text is several times the budget long. Compare each policy's perplexity with full
-# KV in the table: sinks + window should stay close to it at a fraction of the memory,
-# while the window alone, once the first tokens are gone, does visibly worse: the model
-# loses the tokens it parks attention on. h2o keeps the older blocks that drew the most
-# attention, whichever they are.
+# The text is four times the budget. Sinks + window stays close to full KV
+# (+**5.23**<!-- out -->% perplexity) at under a third of its memory, while the window
+# alone, once the first tokens are gone, nearly doubles it (+**97.58**<!-- out -->%): the
+# model loses the tokens it parks attention on. h2o keeps the older blocks that drew the
+# most attention, whichever they are (+**2.49**<!-- out -->% here).
 #
 # ## Needle in a haystack: the model's own recall first
 #
-# A fact ("The magic number of Corran is 4721.") placed at several depths of a haystack
-# made of kvlab's documents, then a question. Before any eviction: how well does this
-# 135M model recall it with its full KV? That is the ceiling every policy is measured
-# against.
+# A fact ("The magic number of Corran is 4721.") placed at five depths of a 512-token
+# haystack made of kvlab's documents, then a question. Before any eviction: how well does
+# this 135M model recall it with its full KV? That is the ceiling every policy is
+# measured against.
 
 # %%
 needles = longctx.needle_set(model.tokenizer, NEEDLE_LENGTHS, NEEDLE_DEPTHS)
 longest = max(NEEDLE_LENGTHS) + 128
 base = EngineConfig(cache="paged", chunked_prefill=True, max_num_batched_tokens=CHUNK,
                     max_num_seqs=1, max_model_len=longest, kv_budget_tokens=longest)  # fmt: skip
-baseline = longctx.recall(model, needles, base)
-print(baseline[["context_tokens", "depth", "recalled", "answer"]].to_string(index=False))
+baseline = longctx.recall(model, needles, base, ANSWER_TOKENS)
+print(baseline[["context_tokens", "depth", "prompt_tokens", "recalled", "answer"]].to_string(
+    index=False))  # fmt: skip
 
 # %% [markdown]
 # ## Recall vs KV kept
 #
 # Every policy at 50 % of each haystack's KV (`FULL_SIZE`: 10 and 25 % too), on the same
-# needles. The prompt streams in by chunks, so the question at the end only sees what the
-# policy kept.
+# needles. The prompt streams in by chunks of 64, so the question at the end only sees
+# what the policy kept. Which depths each policy still answers:
 
 # %%
-frontier = longctx.recall_frontier(model, needles, base, FRACTIONS, baseline=baseline)
-summary = frontier.groupby(["policy", "budget"], sort=False).agg(
+frontier = longctx.recall_frontier(model, needles, base, FRACTIONS, baseline=baseline,
+                                   max_new_tokens=ANSWER_TOKENS)  # fmt: skip
+shown = frontier.assign(budget=frontier["budget"].map("{:.0%}".format))
+by_depth = shown.pivot_table(index=["policy", "budget"], columns="depth", values="recalled",
+                             aggfunc="mean", sort=False)  # fmt: skip
+summary = shown.groupby(["policy", "budget"], sort=False).agg(
     recall=("recalled", "mean"), kv_kept=("kv_kept_frac", "mean")
 )
+print(by_depth.map(lambda r: "recalled" if r == 1 else "-").to_string())
 print(summary.round(2).to_string())
 recall_frontier_figure(frontier)
 
 # %% [markdown]
-# Read the table against the baseline: a window keeps a needle only while it sits inside
-# the last `retention_window` tokens (a deep needle at a large budget); sinks keep the
-# start, not the fact; h2o keeps the fact only if its block drew enough attention while
-# it streamed past, scored by queries that had not seen the question yet. Eviction trades
-# recall for memory: the memory is flat, and a dropped block is gone for good.
+# With its full KV the model recalls every needle (recall **1.0**<!-- out -->). At half
+# the KV, the window and the sinks keep the last half of the prompt: they answer the
+# needles at depths 0.7 and 0.9 (recall **0.4**<!-- out -->) and lose the three before;
+# the sinks' first block holds the haystack's opening, not the fact. h2o splits its
+# budget into heavy hitters and a window half as long, and keeps only the deepest needle
+# (**0.2**<!-- out -->): its heavy hitters were chosen by the attention of queries that
+# had not seen the question yet, and they were other blocks than the fact's. A policy
+# keeps a fact by its position (window, sinks) or by the attention it drew before the
+# question came (h2o); none knows what will be asked.
+#
+# Five needles in one 512-token haystack is a small sample. The saved run of
+# `benchmarks/long_context.py` asks the same question at the model's scale: 12 needles in
+# haystacks of 1,000 to 8,000 tokens, at three budgets (its machine and command below):
+
+# %%
+saved = json.loads((RESULTS / "long_context.avx2.json").read_text())
+recall_saved = pd.DataFrame(saved["recall"]).T
+recall_saved.index = pd.MultiIndex.from_tuples(
+    [tuple(k.split("@")) for k in recall_saved.index], names=["policy", "budget"]
+)
+print(saved["needles"], "| full KV recall by length:", saved["full_recall_by_length"])
+print(recall_saved["recall"].unstack("budget").to_string())
+print({key: saved["provenance"][key] for key in ("machine", "command")})
+
+# %% [markdown]
+# The saved run tells the same story at the model's scale, with what a small haystack
+# cannot show. At 10 % of the KV no policy recalls more than **0.167**<!-- out --> of the
+# needles. And the ceiling itself falls with length: with its full KV this 135M model
+# recalls only a third of the 4,000-token needles, so past a few thousand tokens a
+# policy's misses mix with the model's own. At 50 % h2o recalls the most there
+# (**0.417**<!-- out -->), unlike in the small haystack above: with 12 needles there and
+# 5 here, one needle moves these fractions by 0.08 and 0.2.
+#
+# Eviction trades recall for memory: the memory is flat, and a dropped block is gone for
+# good.
+#
+# > **Summary.** A retention policy caps one sequence's KV by dropping whole blocks after
+# > each step: the block table keeps its length, the dropped entries go back to the free
+# > list and leave the prefix index. Sinks + window keeps perplexity close to full KV at
+# > a flat memory cost; the window alone loses the first tokens and with them its
+# > footing. kvlab keeps every token's text position (its K is stored rotated), so
+# > eviction saves memory but does not stretch the model's window, which is why
+# > StreamingLLM renumbers positions inside its cache instead. None of these policies
+# > knows what the question will be: a fact outside the window survives only by luck
+# > (h2o's attention scores), so recall falls with the budget.
 #
 # ## What to try next
 #
 # - Set `FULL_SIZE = True` (or run `python benchmarks/long_context.py`) for 1k-4k-token
-#   haystacks at three depths.
+#   haystacks at three budgets.
 # - Change the sinks to 0 tokens and watch perplexity follow the plain window.
 # - Give h2o more heavy-hitter blocks and less window (`retention_heavy`,
 #   `retention_window`): when does it start keeping the needle?

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -26,11 +26,17 @@
 # skips that part of its prefill. On a server that many people share, the gift has a
 # price. **Whether your prompt hit the cache shows in how fast your first token comes**,
 # so by choosing what to send, one user can learn what another user sent: a system
-# prompt, a document, a secret. The attack is published (prompt-leaking through prefix
-# caching, on vLLM and SGLang deployments), and engines answer it with *salts*: a
-# namespace mixed into every block's hash, so two users with different salts never
-# share a block. vLLM takes one per request (`cache_salt`); `kvlab serve` also gives
-# every tenant (API key) its own.
+# prompt, a document, a secret. The attack is published. Song et al. time the first
+# token to tell KV-cache hits from misses and recover system prompts and other users'
+# prompts token by token ([The Early Bird Catches the Leak, arXiv:2409.20002](https://arxiv.org/abs/2409.20002));
+# Gu et al. audited commercial APIs with the same signal and found caches shared
+# *across users* at seven providers, OpenAI among them
+# ([Auditing Prompt Caching in Language Model APIs, arXiv:2502.07776](https://arxiv.org/abs/2502.07776)).
+# Engines answer it with *salts*: a namespace mixed into the blocks' hashes, so two users
+# with different salts never share a block. vLLM takes one per request (`cache_salt`,
+# hashed into the first block and carried by the chain: see
+# [its prefix-caching design](https://docs.vllm.ai/en/latest/design/prefix_caching/));
+# `kvlab serve` also gives every tenant (API key) its own.
 #
 # This notebook, over real HTTP to a running `kvlab serve` on the real model:
 #
@@ -41,27 +47,30 @@
 #    `engine.explain` says about its misses.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model.
+# the model. `FULL_SIZE = True` runs 24 attack trials per setting instead of 4.
 
 # %%
 import platform
 
 import plotly.io as pio
 import torch
+from IPython.display import display
 
 import kvlab
+from kvlab.cache.prefix.hash import block_hashes
 from kvlab.config import SamplingParams
+from kvlab.course import ask, show_source
 from kvlab.experiments import isolation
 from kvlab.serve import ServerThread, engine_config
-from kvlab.serve.tenants import Tenants
+from kvlab.serve.tenants import Tenants, engine_salt
 from kvlab.viz.isolation import attack_figure
 
 pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
-FULL_SIZE = False  # True: 24 trials per setting instead of 6 (minutes on a 2-core CPU)
-TRIALS = 24 if FULL_SIZE else 6
+FULL_SIZE = False  # True: 24 trials per setting instead of 4 (minutes on a 2-core CPU)
+TRIALS = 24 if FULL_SIZE else 4
 
 # %% [markdown]
 # ## 1 · The attack on a shared cache
@@ -79,8 +88,10 @@ TRIALS = 24 if FULL_SIZE else 6
 # A right guess finds every full block of the victim's prompt in the cache and
 # prefills only its own last few tokens; a wrong guess differs from the first block on
 # (the whole code sits in it), and every later block's key chains through that one, so
-# it prefills everything. Before the trials the attacker calibrates a threshold on its own
-# prompt, sent twice: a miss, then a hit.
+# it prefills everything. Before the trials the attacker sends one throwaway request
+# (a new connection and the engine's first prefills are slow), then calibrates a
+# threshold on its own prompts, each sent twice: a miss, then a hit. A guess whose first
+# token comes sooner than the threshold it calls "cached".
 
 # %%
 prompt_tokens = len(isolation.secret_ids(model.tokenizer, "481920"))
@@ -106,6 +117,27 @@ isolation.cached_tokens_seen({"shared cache": shared})
 # its own salt (`engine_salt(tenant, cache_salt)`: the tenant comes from the key, never
 # from the body, so no request can name another tenant's namespace). The victim is
 # tenant `acme`, the attacker tenant `mallory`; everything else is the same.
+#
+# Where the salt goes: `engine_salt` turns the tenant (and any `cache_salt`) into the
+# request's namespace, and the hash index feeds it into every block's key, beside the
+# parent's key and the block's token ids (kvlab's own `blake2b` keys, which this server
+# uses; with vLLM's `sha256_cbor` keys the salt sits in the first block's extra keys and
+# the chain carries it to the rest, as vLLM does):
+
+# %%
+display(show_source(engine_salt))
+show_source(block_hashes, start='parent = b"" if seed', end="return keys")
+
+# %% [markdown]
+# **Check yourself.** On this salted server, how many of the victim's 144<!-- out -->
+# prompt tokens can the attacker's *right* guess (the very same token ids as the
+# victim's opening) hit?
+
+# %%
+my_salted_hits = None  # your answer: a number of tokens
+ask("13.salted-hit-tokens", my_salted_hits,
+    victim_ids=isolation.secret_ids(model.tokenizer, "481920"),
+    victim_salt=engine_salt("acme", None), attacker_salt=engine_salt("mallory", None))  # fmt: skip
 
 # %%
 keys = Tenants((("sk-acme", "acme"), ("sk-mallory", "mallory")))
@@ -132,10 +164,15 @@ attack_figure(frames)
 isolation.attack_summary(frames)
 
 # %% [markdown]
-# With the shared cache the two boxes sit far apart and the threshold splits them: the
-# attacker tells right from wrong nearly every time. With salts both guesses prefill
-# everything, their times overlap, and the attacker's accuracy falls to a coin's: it
-# calls every guess "not cached", right on the wrong guesses only (one half).
+# With the shared cache the right guesses' first tokens came after a median of
+# 0.147<!-- out --> s and the wrong ones' after 0.749<!-- out --> s, and in every trial the
+# right guess answered first (1.00<!-- out -->): an attacker who compares its two guesses
+# never errs. Its fixed threshold did worse in this run (accuracy 0.75<!-- out -->): it
+# was calibrated on the attacker's own prompts while other work loaded this 2-core
+# machine, and some misses came in under it. With salts both guesses prefill everything
+# and neither is faster but by noise: the right guess came first in 0.25<!-- out --> of
+# the trials and the threshold's accuracy is 0.38<!-- out -->, a coin's at this sample
+# size (4 trials per setting, 4 probes per box; `FULL_SIZE` runs 24).
 #
 # What the salt does not hide: how loaded the server is (every tenant's requests share
 # its steps, so a flood slows everyone; `--tenant-max-running` bounds what one tenant
@@ -148,7 +185,29 @@ isolation.attack_summary(frames)
 # A common way to build a prompt: a line about the customer, then the long instructions
 # every customer gets. The instructions look shared, but the cache shares *prefixes*, in
 # whole blocks, chained from the first: a different first block makes every block after
-# it different. Each layout's prompts go through one engine, user after user:
+# it different. The three users' prompts in each layout, as token ids, and how many
+# tokens the users' prompts open with in common:
+
+# %%
+layouts = {layout: [model.tokenizer.encode(p) for p in isolation.pii_prompts(layout)]
+           for layout in ("PII first", "PII last")}  # fmt: skip
+for layout, prompts in layouts.items():
+    first, second = prompts[0], prompts[1]
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    print(f"{layout}: prompts of {[len(p) for p in prompts]} tokens; users 1 and 2 share "
+          f"their first {common}")  # fmt: skip
+
+# %% [markdown]
+# **Check yourself.** Served one after the other on one engine (blocks of 16), how many
+# prompt tokens does the *second* user's request hit in the "PII last" layout?
+
+# %%
+my_pii_last_hits = None  # your answer: a number of tokens
+ask("13.pii-last-hits", my_pii_last_hits, first=layouts["PII last"][0],
+    second=layouts["PII last"][1])  # fmt: skip
+
+# %% [markdown]
+# Each layout's prompts go through one engine, user after user:
 
 # %%
 engine = kvlab.Engine(model, engine_config("paged+prefix", max_model_len=1024))
@@ -167,12 +226,22 @@ print(explained["PII first"])
 
 # %% [markdown]
 # Moved after the instructions, the per-user line sits in the user's own last blocks:
-# the instructions are computed once and every later user hits them.
+# the instructions are computed once and every later user hits them, 128<!-- out -->
+# tokens each here.
 
 # %%
 print(explained["PII last"])
 
 # %% [markdown]
+# > **Summary.** A shared prefix cache answers a question anyone can ask: "has this
+# > opening been seen?", through the time to the first token and through
+# > `cached_tokens` in the usage. A salt closes it: hashed into the blocks' keys, it
+# > gives each tenant (or each `cache_salt`) a namespace of its own, so a guess from
+# > outside never meets the victim's blocks, right or wrong. What it cannot hide is load
+# > and the server-wide metrics. Inside one namespace, share what is really shared: put
+# > the long common instructions first and the per-user line after them, or nothing
+# > after the line is shared and each user's line can be probed.
+#
 # ## What to try next
 #
 # * Set `FULL_SIZE = True`: 24 trials per setting, tighter boxes.

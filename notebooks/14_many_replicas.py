@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -44,11 +44,14 @@
 # 4. what breaks when replicas disagree on block size or hash seed.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model.
+# the model. `FULL_SIZE = True` runs 10 sessions with 32-token answers and compares all
+# four policies in section 3 (the default compares three: least-loaded spreads
+# conversations as round-robin does).
 
 # %%
 import platform
 
+import plotly.graph_objects as go
 import plotly.io as pio
 import torch
 from IPython.display import display
@@ -56,8 +59,11 @@ from IPython.display import display
 import kvlab
 from kvlab.cache.prefix.hash import block_hashes
 from kvlab.config import EngineConfig
+from kvlab.course import ask, show_source
 from kvlab.model.prompts import encode_messages
 from kvlab.multiturn import SYSTEM
+from kvlab.route.index import BlockIndex
+from kvlab.route.policies import Policy
 from kvlab.route.sessions import summary, tenant_sessions
 from kvlab.viz import replicas as viz
 
@@ -66,7 +72,8 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 FULL_SIZE = False  # True: 10 sessions of 3 turns and 32-token answers (minutes on 2 cores)
-SESSIONS, MAX_TOKENS = (10, 32) if FULL_SIZE else (5, 6)  # not a multiple of 3 replicas
+SESSIONS, MAX_TOKENS = (10, 32) if FULL_SIZE else (5, 4)  # not a multiple of 3 replicas
+COMPARED = viz.POLICY_ORDER[:3] if FULL_SIZE else ["round-robin", "approx-prefix"]
 
 # %% [markdown]
 # ## 1 · Three replicas, one router, and what the router knows
@@ -108,17 +115,53 @@ print(table.to_string(index=False))
 # The `hash` column is not kvlab's invention: it is what vLLM would publish for the same
 # tokens. The router can compute it from the request alone (its token ids through the
 # chat template, the tenant's `cache_salt` in the first block's extra keys, vLLM's seed
-# `"vllm-none-hash"`), which is why a lookup needs no call to any replica:
+# `"vllm-none-hash"`), which is why a lookup needs no call to any replica. The first
+# turn's prompt, through the chat template:
 
 # %%
 ids = encode_messages(
     model.tokenizer,
     [{"role": "system", "content": SYSTEM}, {"role": "user", "content": sessions[0].messages[0]}],
 )
+print(f"prompt: {len(ids)} tokens")
+
+# %% [markdown]
+# **Check yourself.** With 16-token blocks, how many of this prompt's blocks can a
+# replica hit, at most?
+
+# %%
+my_full_blocks = None  # your answer: a number of blocks
+ask("14.full-blocks", my_full_blocks, ids=ids)
+
+# %%
 ours = block_hashes(ids[:-1], 16, salt=sessions[0].salt)
 print(f"prompt: {len(ids)} tokens, {len(ours)} full blocks a replica can hit")
 print("first block, as the router computes it:", f"{int.from_bytes(ours[0][-8:], 'big'):016x}")
 print("the same block, as the replica reported:", table.iloc[0]["hash"])
+
+# %% [markdown]
+# How the precise policy scores the replicas with that index: it hashes the request's
+# tokens as the engines do, then counts, per replica, the request's hashes it holds *in
+# a row from the first* (`longest_prefix`: a block whose parent is gone may still be
+# held, but a lookup stops at the gap, as the engine's own does). `by_prefix` picks the
+# best score among the replicas the load guard lets compete, the least loaded among
+# equals, and writes the reason:
+
+# %%
+display(show_source(BlockIndex.longest_prefix))
+show_source(Policy.by_prefix)
+
+# %% [markdown]
+# **Check yourself.** A toy index: replica r0 holds the block hashes {1, 2, 3}, r1
+# {1, 2, 3, 4, 5}, r2 {1, 3, 4, 5}. A request's chain is [1, 2, 3, 4, 6]. What does
+# `longest_prefix` score each replica? Write a dict, e.g. `{"r0": 0, "r1": 0, "r2": 0}`.
+
+# %%
+toy = BlockIndex()
+for replica, chain in {"r0": [1, 2, 3], "r1": [1, 2, 3, 4, 5], "r2": [1, 3, 4, 5]}.items():
+    toy.apply(replica, {"type": "BlockStored", "block_hashes": chain, "block_size": 16})
+my_scores = None  # your answer: {"r0": ..., "r1": ..., "r2": ...}
+ask("14.router-scores", my_scores, index=toy, hashes=[1, 2, 3, 4, 6])
 
 # %% [markdown]
 # ## 2 · Where requests go, and why (live)
@@ -141,6 +184,15 @@ display(app.widget)
 live = fleet.run(sessions, "precise", on_decision=app.add, max_tokens=MAX_TOKENS, concurrency=3)
 
 # %% [markdown]
+# The same figure as the run left it, as a static copy (it survives where widgets do
+# not: a rendered notebook, a PDF): each dot a request on the replica it went to, one
+# colour per session, and the scores behind the last decision.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+go.Figure(app.figure).show()
+
+# %% [markdown]
 # How many requests were routed on a cached prefix, and on how many replicas each
 # session's turns ran (1: all at home; the load guard may send a turn away when its home
 # is busy):
@@ -155,10 +207,11 @@ print(f"{len(later)} of {len(fleet.router.decisions)} requests routed on a cache
 print("replicas per session:", sorted(len(v) for v in homes.values()))
 
 # %% [markdown]
-# ## 3 · Four policies on the same chats
+# ## 3 · The policies on the same chats
 #
 # The same sessions from cold caches (each replica resets its prefix cache, which its
-# events report as `AllBlocksCleared`, so the router's index empties too) under:
+# events report as `AllBlocksCleared`, so the router's index empties too) under
+# (least-loaded with `FULL_SIZE` only):
 #
 # * **round-robin**: replicas in turn;
 # * **least-loaded**: the fewest requests in flight;
@@ -170,7 +223,7 @@ print("replicas per session:", sorted(len(v) for v in homes.values()))
 # %%
 # NBVAL_IGNORE_OUTPUT
 results, all_turns = viz.compare_policies(
-    fleet, sessions, viz.POLICY_ORDER[:3], max_tokens=MAX_TOKENS, concurrency=3
+    fleet, sessions, COMPARED, max_tokens=MAX_TOKENS, concurrency=3
 )
 names = [r.name for r in fleet.router.replicas]
 results.loc["precise"] = summary(live, max(t.start_s + t.e2e_s for t in live), names)
@@ -179,16 +232,19 @@ print(results[columns].to_string())
 viz.policy_bars(results)
 
 # %% [markdown]
-# Round-robin and least-loaded spread each conversation over all three replicas: every
+# Round-robin (and least-loaded) spread each conversation over all three replicas: every
 # replica ends up caching every session, three times the working set, so the LRU evicts
-# what the next turn needs and most prompts are computed again. The precise policy keeps
-# each session on one replica; what a replica caches is a third of the working set and
-# fits. Fewer prompt tokens to compute is a shorter prefill, hence the lower time to first
-# token. The approximate policy gets the affinity without events, but it guesses: it never
-# learns that a replica evicted a block (here that rarely matters; on a full cache it
-# routes to prefixes that are gone). The numbers above come from a shared 2-core machine:
-# `benchmarks/replicas.py` measures the same comparison with 3 replicas as processes, 5
-# alternating rounds, and the real vLLM Router in front of the same replicas.
+# what the next turn needs and most prompts are computed again (round-robin's prefix hit
+# rate is 38%<!-- out --> here). The precise policy keeps each session on one replica
+# (68%<!-- out -->): what a replica caches is a third of the working set and fits. Fewer
+# prompt tokens to compute is a shorter prefill, hence the lower time to first token.
+# The approximate policy gets the affinity without events (69%<!-- out -->), but it
+# guesses: it never learns that a replica evicted a block (here that rarely matters; on
+# a full cache it routes to prefixes that are gone). Between the two prefix policies the
+# time to first token differs by noise at this size (5 sessions, on a shared 2-core
+# machine that other work loaded during this run). `benchmarks/replicas.py` measures the
+# same comparison with 3 replicas as processes, 5 alternating rounds, and the real vLLM
+# Router in front of the same replicas.
 
 # %% [markdown]
 # ## 4 · When replicas disagree
@@ -221,13 +277,24 @@ with viz.ThreadFleet(model, configs=odd, budget_tokens=1024) as mixed:
     print(viz.disagreement(mixed, ids).to_string())
 
 # %% [markdown]
-# Every replica cached the prompt; the router finds it on r0 only. Both r1 and r2 would
-# still *serve* correctly (each engine matches its own hashes), but a precise router
-# cannot see their caches and routes to them blind, as round-robin would. The fix is
-# configuration, and it is why routers ask for it: llm-d's precise scorer takes the
-# engines' block size and hash seed in its config, and vLLM's docs tell you to set the
-# same `--block-size`, `--prefix-caching-hash-algo sha256_cbor` and `PYTHONHASHSEED` on
-# every replica.
+# Every replica cached the prompt (r1 reported its 8<!-- out --> blocks of 32 tokens);
+# the router finds all 17<!-- out --> of r0's blocks and none of the others'. Both r1
+# and r2 would still *serve* correctly (each engine matches its own hashes), but a
+# precise router cannot see their caches and routes to them blind, as round-robin
+# would. The fix is configuration, and it is why routers ask for it: llm-d's precise
+# scorer takes the engines' block size and hash seed in its config, and vLLM's docs tell
+# you to set the same `--block-size`, `--prefix-caching-hash-algo sha256_cbor` and
+# `PYTHONHASHSEED` on every replica.
+#
+# > **Summary.** With several replicas a prefix cache pays off only if the router sends
+# > a request to the replica that holds its prefix. vLLM's engines publish what they
+# > store and evict as KV events carrying reproducible block hashes (`sha256_cbor`), so a
+# > router can keep a block hash -> replicas index, hash a request's tokens itself and
+# > score each replica by its longest cached prefix, in a row from the first block.
+# > Kept on one replica, a conversation's later turns hit their whole history; spread by
+# > round-robin, every replica caches everything and evicts what the next turn needs.
+# > The router finds only what it can hash the same way: every replica must share block
+# > size, hash algorithm and seed.
 #
 # ## What to try next
 #

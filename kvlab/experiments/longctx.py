@@ -214,18 +214,21 @@ def recall_frontier(
     fractions: tuple[float, ...] = (0.1, 0.25, 0.5),
     policies: tuple[str, ...] = POLICIES,
     baseline: pd.DataFrame | None = None,
+    max_new_tokens: int = 20,
 ) -> pd.DataFrame:
     """Recall of every policy at each budget (a fraction of each needle's haystack), plus
-    full retention (`baseline`: `recall(model, needles, base)` if already measured); one
-    row per policy, budget and needle."""
-    baseline = recall(model, needles, base) if baseline is None else baseline
+    full retention (`baseline`: `recall(model, needles, base, max_new_tokens)` if already
+    measured); one row per policy, budget and needle."""
+    if baseline is None:
+        baseline = recall(model, needles, base, max_new_tokens)
     frames = [baseline.assign(policy="full", budget=1.0)]
     for fraction in fractions:
         for policy in policies:
             for length in sorted({n.context_tokens for n in needles}):
                 group = [n for n in needles if n.context_tokens == length]
                 config = budget_config(base, policy, int(fraction * length))
-                frames.append(recall(model, group, config).assign(policy=policy, budget=fraction))
+                rows = recall(model, group, config, max_new_tokens)
+                frames.append(rows.assign(policy=policy, budget=fraction))
     frame = pd.concat(frames, ignore_index=True)
     frame["kv_kept_frac"] = frame["peak_kv_bytes"] / frame["full_kv_bytes"]
     return frame

@@ -153,7 +153,7 @@ def policy_bars(table: pd.DataFrame) -> go.Figure:
                              marker_color=colors, opacity=opacity), row=1, col=2)  # fmt: skip
     fig.update_yaxes(tickformat=".0%", range=[0, 1], row=1, col=1)
     fig.update_yaxes(title_text="ms (p50 solid, p99 pale)", row=1, col=2)
-    fig.update_layout(title="The same chats, four routing policies (cold caches each)",
+    fig.update_layout(title=f"The same chats, {len(table)} routing policies (cold caches each)",
                       barmode="group", height=400, width=950, showlegend=False)  # fmt: skip
     return fig
 
