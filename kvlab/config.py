@@ -70,9 +70,9 @@ class EngineConfig:
             ones may still claim: fewer at once, never preempts). None (the default): the
             cache's own default, its first in `admissions`: "watermark" for the paged
             cache, "reserve" for the naive one (its only choice).
-        watermark: fraction of the pool kept free at admission (watermark admission); 0,
-            the default, admits as soon as the first step's blocks are free (vLLM V1 keeps
-            none; V0 kept 0.01).
+        watermark: fraction of the pool kept free at admission (watermark admission),
+            waived while nothing runs; 0, the default, admits as soon as the first step's
+            blocks are free (vLLM's `--watermark` defaults to 0 as well; V0 kept 0.01).
         preemption: how a victim gives up its blocks when they run out: "recompute"
             (drop them; its prompt + generated tokens are prefilled again on resume) or
             "swap" (copy them to host memory and back on resume; a cache that cannot

@@ -30,6 +30,7 @@ def source_lines(obj, start: str | None = None, end: str | None = None) -> tuple
     Raises ValueError naming the marker when `start` or `end` is not in the source, so a
     notebook whose library changed under it fails loudly instead of showing other lines.
     """
+    obj = inspect.unwrap(obj)  # a decorated function's own lines and file, not its wrapper's
     lines, first = inspect.getsourcelines(obj)
     a, b = 0, len(lines) - 1
     if start is not None:

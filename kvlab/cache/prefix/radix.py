@@ -1,7 +1,9 @@
-"""The radix prefix index (SGLang): a tree over token ids, one node per block (page-aligned
-storage), with partial blocks as leaves. Matching is token-granular: after the full blocks
-it finds the child sharing the longest run of tokens, whose first k slots the cache copies
-into a fresh block instead of recomputing them."""
+"""The radix prefix index: a tree over token ids, as SGLang's RadixAttention keeps, one node
+per block (page-aligned storage), with partial blocks as leaves. kvlab's matching goes past
+the last full block: it finds the child sharing the longest run of tokens, whose first k
+slots the cache copies into a fresh block instead of recomputing them. That copy is kvlab's
+own design: SGLang matches token by token only at page size 1 and cuts a match to whole
+pages otherwise (`page_align_keys` in sglang/srt/mem_cache/radix_cache.py)."""
 
 from __future__ import annotations
 
