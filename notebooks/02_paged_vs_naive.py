@@ -7,7 +7,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -29,12 +29,16 @@
 # * `cache="naive"`: one contiguous region of `max_model_len` token slots per sequence;
 # * `cache="paged"`: the pool cut into blocks of 16 slots, handed out one at a time as a
 #   sequence's tokens are written, and found through a per-sequence **block table**
-#   (the idea of vLLM's PagedAttention).
+#   (the idea of vLLM's PagedAttention: Kwon et al., SOSP 2023,
+#   [arXiv:2309.06180](https://arxiv.org/abs/2309.06180)).
 #
 # and measures, step by step, how many sequences each keeps running, how much memory each
 # reserves, and how much of that is waste; then, under a budget answers outgrow, what each
 # admission policy buys. Then two widgets: a map of the physical blocks
 # over time, and a block-size dial that re-runs the engine live.
+#
+# *Lesson plan (50 min):* sections 1-5 and the three "check yourself" cells; section 6's
+# block-size dial, or the lab (`labs/01_block_allocator`), as homework.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model.
@@ -47,9 +51,14 @@ import time
 import plotly.graph_objects as go
 import plotly.io as pio
 import torch
+from IPython.display import display
 
 import kvlab
 from kvlab import workloads
+from kvlab.cache.allocator import BlockAllocator
+from kvlab.cache.paged import PagedCache
+from kvlab.course import ask, show_source
+from kvlab.model.metadata import build_attention_metadata
 from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_panels, occupancy_table
 
 pio.renderers.default = "plotly_mimetype"
@@ -96,6 +105,30 @@ except ValueError as error:
     print("ValueError:", error)
 
 # %% [markdown]
+# How the paged cache grows a sequence: before a step writes a sequence's new tokens, it
+# appends blocks to the sequence's table until they fit (after copying a shared block it
+# is about to write, notebook 03's copy-on-write). The blocks come from the
+# `BlockAllocator`: a free list, oldest-freed first, and a reference count per block; a
+# block whose count drops to zero goes to the back of the free list (or, with prefix
+# caching, stays cached: notebook 03).
+
+# %%
+show_source(PagedCache.ensure_capacity)
+
+# %%
+display(show_source(BlockAllocator.allocate), show_source(BlockAllocator.decref))
+
+# %% [markdown]
+# **Check yourself.** All four prompts arrive at once, and the paged engine prefills them
+# together in its first step. Right after that step, how many token slots does the paged
+# cache hold (blocks taken × 16)? Compute it from `prompt_tokens` in one line of Python.
+# (The naive engine, for comparison, holds 2 × 2,048 slots and has admitted only two.)
+
+# %%
+my_slots = None  # your answer: a line of Python using prompt_tokens and 16
+ask("02.paged-slots", my_slots, prompt_tokens=prompt_tokens, block_size=16)
+
+# %% [markdown]
 # Now the real runs. `record_block_map=True` keeps, for every step, which request owns each
 # physical block (for the block map in section 5).
 
@@ -115,6 +148,9 @@ for name in ("naive", "paged"):
     seconds[name] = (time.perf_counter() - wall, time.process_time() - cpu)
     engines[name].cache.check_integrity()
 stats = {name: engine.stats() for name, engine in engines.items()}
+for name, engine in engines.items():
+    held = stats[name]["reserved_bytes"].iloc[0] // engine.cache.pool.bytes_per_token
+    print(f"{name}: {held:,} token slots held after step 1")
 
 # %% [markdown]
 # The cache only decides *where* K/V live, never *what* the model computes, so the greedy
@@ -175,37 +211,81 @@ print(
 # fitted in its 256 blocks. When the answers outgrow the pool, the
 # paged cache must decide whom to let in, `EngineConfig.admission`:
 #
-# * `"watermark"`, the paged default, as vLLM: a request is admitted as soon as its
-#   prompt's blocks are free; when blocks run out while the running requests decode, the
-#   scheduler **preempts** one (drops its blocks, recomputes it later);
+# * `"watermark"`, the paged default: a request is admitted when the blocks of its first
+#   step (its prompt, or its first chunk with chunked prefill, less any blocks found in
+#   the prefix cache) are free **and** a *watermark* of the pool, `EngineConfig.watermark`
+#   (a fraction of the blocks), stays free for the running requests to grow into. The
+#   watermark is waived when nothing runs, and kvlab's default is **0**: with it, a
+#   request is admitted as soon as its first step's blocks are free. Blocks for its
+#   answer are taken as it decodes; when they run out, the scheduler **preempts** a
+#   running request (drops its blocks, recomputes it later);
 # * `"reserve"`: a request is admitted only if the blocks it *could* ever need
 #   (prompt + `max_new_tokens`) fit beside what the running requests could still claim:
 #   nothing is ever preempted, but fewer run at once.
 #
+# vLLM V1 admits optimistically too: its scheduler admits a waiting request when
+# `KVCacheManager.allocate_slots` finds free blocks for the tokens it schedules this step
+# ([vllm/v1/core/kv_cache_manager.py](https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/kv_cache_manager.py),
+# called from
+# [vllm/v1/core/sched/scheduler.py](https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py);
+# recent releases also check, by default, that the whole prompt would fit, which matters
+# only with chunked prefill). Its
+# [`--watermark`](https://docs.vllm.ai/en/stable/configuration/engine_args/#-watermark)
+# is applied as kvlab's is (to waiting or preempted requests, only while others are
+# scheduled) and defaults to 0.0, which disables it; earlier V1 releases had no
+# watermark at all, and
+# [V0's block manager](https://github.com/vllm-project/vllm/blob/v0.2.7/vllm/core/block_manager.py)
+# kept 1% of the blocks free.
+#
 # Three chat requests (37-, 38- and 44-token prompts, 8-token answers) in 16 blocks of 8
 # slots: their prompts fill the pool exactly (5 + 5 + 6 blocks), and their answers need
-# three blocks more:
+# three blocks more.
+#
+# **Check yourself.** With `watermark=0.25` (a quarter of the 16 blocks kept free while
+# others run), how many of the three requests does the engine admit in its first step?
+# They are considered in order, each after the blocks of those before it are taken.
+
+# %%
+# %%
+my_admitted = None  # your answer: 0, 1, 2 or 3
+ask("02.watermark-admits", my_admitted, prompt_tokens=[37, 38, 44], num_blocks=16,
+    block_size=8, watermark=0.25)  # fmt: skip
+
+# %% [markdown]
+# The runs, with the default watermark (0), with 0.25, and with `reserve`:
 
 # %%
 pressure, tokens = {}, {}
-for admission in ("watermark", "reserve"):
+policies = {"watermark": {}, "watermark=0.25": {"watermark": 0.25}, "reserve": {}}
+for name, extra in policies.items():
     config = kvlab.EngineConfig(
-        cache="paged", admission=admission, block_size=8, max_model_len=128, kv_budget_tokens=16 * 8
+        cache="paged",
+        admission=name.split("=")[0],
+        block_size=8,
+        max_model_len=128,
+        kv_budget_tokens=16 * 8,
+        **extra,
     )
     engine = kvlab.Engine(model, config)
     answers = engine.run(workloads.uniform_chat(3, max_new_tokens=8), ignore_eos=True)
-    pressure[admission], tokens[admission] = engine.stats(), [a.token_ids for a in answers]
+    pressure[name], tokens[name] = engine.stats(), [a.token_ids for a in answers]
 table = occupancy_table(pressure)
+table["admitted in step 1"] = [int(p["running"].iloc[0]) for p in pressure.values()]
 table["recomputed tokens"] = [int(p["recomputed_tokens"].iloc[-1]) for p in pressure.values()]
-columns = ["steps", "peak running", "peak blocks used", "preemptions", "recomputed tokens"]
-print(table[columns].to_string())
-print("identical greedy outputs:", tokens["watermark"] == tokens["reserve"])
+columns = ["admitted in step 1", "steps", "peak running", "peak blocks used", "preemptions"]
+print(table[columns + ["recomputed tokens"]].to_string())
+print(
+    "identical greedy outputs:",
+    tokens["watermark"] == tokens["watermark=0.25"] == tokens["reserve"],
+)
 
 # %% [markdown]
-# `watermark` starts more requests at once and fills the pool; when their answers outgrow
-# it, it preempts and recomputes what it dropped (the recomputed tokens). `reserve` never
-# preempts and never wastes a forward, but keeps blocks idle for answers not yet written,
-# so fewer run at once and it needs more steps. Here every answer runs to its
+# `watermark` (at 0) starts more requests at once and fills the pool; when their answers
+# outgrow it, it preempts and recomputes what it dropped (the recomputed tokens). A
+# watermark of 0.25 keeps 4 blocks free for the running requests to grow into: it admits
+# fewer at first and, here, avoids the preemption. `reserve` never preempts and never
+# wastes a forward, but keeps blocks idle for answers not yet written, so fewer run at
+# once and it needs more steps. Here every answer runs to its
 # `max_new_tokens` (`ignore_eos`), the worst case `reserve` plans for; real answers that
 # stop early at EOS leave its promises even emptier. That is why vLLM, and kvlab's paged
 # default, admit optimistically. Notebook 05 looks at preemption under pressure.
@@ -232,6 +312,48 @@ for cache, (wall, cpu) in seconds.items():
 # come from wherever they were freed. A request's blocks need not be contiguous: its block
 # table lists them in logical order, and attention reads K/V through it. The slider starts
 # at the step that used the most blocks.
+#
+# How attention finds a token's K/V: position *p* of a sequence lives in slot
+# `table[p // block_size] * block_size + p % block_size`. kvlab builds these slots for
+# every sequence of a step at once, from the block tables, before the forward runs:
+
+# %%
+show_source(build_attention_metadata, "pos = torch.arange(s_max)", "context_slots = tables.gather")
+
+# %% [markdown]
+# **Check yourself: fill in a block table.** A small paged engine: 8 blocks of 4 slots,
+# all free. Request A (a 6-token prompt, one token to generate) and request B (9 tokens)
+# are admitted in step 1: A gets blocks `[0, 1]`, B `[2, 3, 4]`. A finishes at the end of
+# step 1, and its blocks go back to the free list, its last block first. Then request C
+# arrives with a 14-token prompt. What is C's block table after its prefill? (Read
+# `BlockAllocator.allocate` and `decref` above.)
+
+# %%
+my_table = None  # your answer: a list of block ids, e.g. [0, 1, 2, 3]
+ask("02.block-table", my_table, num_blocks=8, block_size=4, prompt_lens=[6, 9, 14])
+
+# %% [markdown]
+# The same three requests in a real engine (their prompts are token ids, no chat
+# template):
+
+# %%
+small = kvlab.Engine(
+    model, kvlab.EngineConfig(cache="paged", block_size=4, max_model_len=32, kv_budget_tokens=32)
+)
+ids = model.tokenizer.encode(requests[0].prompt)
+a = small.add_request(ids[:6], kvlab.SamplingParams(max_new_tokens=1), chat=False)
+b = small.add_request(ids[:9], kvlab.SamplingParams(max_new_tokens=4, ignore_eos=True), chat=False)
+small.step()  # A and B's prefill; A finishes
+print(
+    "after step 1: B", small.cache.tables[b], " free list", list(small.cache.allocator.free_blocks)
+)
+c = small.add_request(ids[:14], kvlab.SamplingParams(max_new_tokens=2, ignore_eos=True), chat=False)
+small.step()  # C's prefill
+print("after step 2: B", small.cache.tables[b], " C", small.cache.tables[c])
+
+# %% [markdown]
+# C's first blocks are ones never used; its last is one of A's, handed out again. In the
+# doc-QA run above the same happens at scale: the block map below shows it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -253,7 +375,9 @@ go.Figure(blocks.figure).show()
 # tables long: more entries to store, to build into the attention metadata every step,
 # and to follow when attention gathers K/V. Large blocks make short tables but leave more
 # of each sequence's last block empty; at the extreme, one block of `max_model_len` is the
-# naive cache. vLLM's default is 16.
+# naive cache. vLLM's default is 16
+# (`CacheConfig.DEFAULT_BLOCK_SIZE` in
+# [vllm/config/cache.py](https://github.com/vllm-project/vllm/blob/main/vllm/config/cache.py)).
 #
 # **Pick a block size** in the widget: it serves a small chat workload (4 short prompts,
 # 8-16 new tokens) through the paged engine, live, and adds a point for that size: tail
@@ -274,6 +398,21 @@ sizes.widget()
 for size in (1, 4, 64, 128):
     sizes.dropdown.value = size
 print(sizes.table().to_string())
+
+# %% [markdown]
+# > **Summary.**
+# > * The naive cache reserves `max_model_len` slots per sequence when it admits it; the
+# >   paged cache hands out fixed-size blocks as tokens are written, found through a
+# >   per-sequence **block table**, so a sequence wastes at most `block_size − 1` slots
+# >   (the tail of its last block).
+# > * Same budget, same tokens out: the paged cache ran 4<!-- out --> sequences at once
+# >   where the naive one ran 2<!-- out -->, and needed fewer steps.
+# > * The `BlockAllocator` keeps a free list (oldest-freed first) and a reference count
+# >   per block; freed blocks are handed out again, wherever they sit.
+# > * Admission: `watermark` (the default, watermark 0) admits a request as soon as its
+# >   first step's blocks are free and preempts when decoding runs out of blocks, as vLLM
+# >   does; `reserve` promises every request its worst case and never preempts.
+# > * Block size trades tail waste (small blocks) against block-table length (large).
 
 # %% [markdown]
 # ## What to try next

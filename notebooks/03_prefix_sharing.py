@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -31,15 +31,26 @@
 # 1. the A/B walk-through, step by step: two document-QA requests sharing a ~300-token
 #    preamble; their block tables, the tokens each one computes;
 # 2. time to first token, cold vs warm;
-# 3. hit rate and memory as more requests share the preamble;
-# 4. two ways to find a cached prefix: chained block hashes (vLLM) and a radix tree (SGLang);
-# 5. isolation: tenants (salts) never share, and a new prompt version misses;
-# 6. `n > 1` sampling: the samples share the prompt's pages, copy-on-write.
+# 3. hit rate and memory as more requests share the preamble, and requests that share
+#    in the very step they arrive;
+# 4. a live explorer of the same.
+#
+# **Further** (optional in a 50-minute lesson; a second lesson, or reading):
+#
+# 5. matching below the block: chained block hashes (vLLM) against kvlab's token-granular
+#    radix index (a radix tree, as SGLang's
+#    [RadixAttention](https://arxiv.org/abs/2312.07104), that also copies partly matching
+#    blocks);
+# 6. isolation: tenants (salts) never share, and a new prompt version misses;
+# 7. `n > 1` sampling: the samples share the prompt's pages, copy-on-write.
+#
+# *Lesson plan (50 min):* sections 1-4 and their two "check yourself" cells, then the lab
+# (`labs/02_block_hash`) or the further sections.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. `FULL_SIZE = True` gives A the longest document (~1,600 tokens instead of
 # ~400), sweeps section 3 up to 8 sharers instead of 4, puts two document questions in
-# section 4's traffic and samples 16 tokens instead of 8 in section 6 (about a minute more
+# section 5's traffic and samples 16 tokens instead of 8 in section 7 (about a minute more
 # on a CPU).
 
 # %%
@@ -51,6 +62,10 @@ import torch
 
 import kvlab
 from kvlab import texts
+from kvlab.cache.prefix.hash import HashPrefixIndex, block_hashes
+from kvlab.cache.sharing import PrefixSharing
+from kvlab.course import ask, show_source
+from kvlab.engine.scheduler import Scheduler
 from kvlab.experiments import sharing
 from kvlab.viz import prefix as viz
 
@@ -61,7 +76,7 @@ model = kvlab.load_model(device=device, progress=False)
 FULL_SIZE = False  # True: the longest document, 8 sharers, document questions, longer samples
 DOC_A = "doc16_history_of_maps" if FULL_SIZE else "doc08_remote_work_policy"
 SHARERS = [1, 2, 4, 8] if FULL_SIZE else [1, 2, 4]  # section 3's request counts
-SAMPLE_TOKENS = 16 if FULL_SIZE else 8  # section 6's tokens per sample
+SAMPLE_TOKENS = 16 if FULL_SIZE else 8  # section 7's tokens per sample
 
 # %% [markdown]
 # ## 1 · Requests A and B, step by step
@@ -96,11 +111,29 @@ print(f"identical first tokens: {shared} (chat template + preamble), = {shared /
 
 # %% [markdown]
 # The engine uses `prefix_caching="hash"`: every **full** 16-token block gets a key that
-# chains its parent block's key, its own token ids and the request's salt. A new request
-# looks its blocks' keys up in order and stops at the first miss.
-#
-# **Step 1.** A arrives alone. Its prefill computes all its tokens into fresh pages; once
-# its prompt is in the cache the engine *publishes* its full blocks to the index.
+# chains its parent block's key, its own token ids and the request's salt (kvlab's own
+# blake2b keys here; `prefix_caching_hash_algo="sha256_cbor"` gives vLLM's, from
+# `hash_block_tokens` in
+# [vllm/v1/core/kv_cache_utils.py](https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/kv_cache_utils.py)):
+
+# %%
+show_source(block_hashes, 'parent = b""', "return keys")
+
+# %% [markdown]
+# Because each key chains its parent's, a key names the whole prefix up to its block's
+# end, not just the block's 16 tokens. A new request looks its blocks' keys up in order
+# and stops at the first miss:
+
+# %%
+show_source(HashPrefixIndex.match)
+
+# %% [markdown]
+# **Step 1.** A arrives alone. When the scheduler puts A's prefill in a step, it
+# *publishes* A's full blocks to the index at once, before the forward that computes them
+# runs (as vLLM V1 does; section 3 shows why it matters):
+
+# %%
+show_source(PrefixSharing.publish)
 
 # %%
 params = kvlab.SamplingParams(max_new_tokens=8)
@@ -110,9 +143,18 @@ print("A's block table:", viz.format_table(engine.cache.tables[a]))
 print("indexed blocks:", len(engine.cache.index.key_of))
 
 # %% [markdown]
-# **Step 2.** B arrives while A is still decoding. Its first 19 blocks hash to keys the
-# index already holds, so its table starts with **A's pages**; only the rest of its prompt
-# is computed, into new pages.
+# **Step 2.** B arrives while A is still decoding.
+#
+# **Check yourself.** A and B share their first 311<!-- out --> tokens (printed above).
+# How many of B's prompt tokens will it find in the cache?
+
+# %%
+my_hit = None  # your answer: a number of tokens
+ask("03.b-hit-tokens", my_hit, shared=shared, block_size=16, prompt_len=len(ids_b))
+
+# %% [markdown]
+# B's first blocks hash to keys the index already holds, so its table starts with
+# **A's pages**; only the rest of its prompt is computed, into new pages.
 
 # %%
 b = engine.add_request(prompt_b, params)
@@ -150,7 +192,7 @@ print(engine.stats()[columns + ["blocks_used", "blocks_free"]].to_string(index=F
 
 # %% [markdown]
 # B computed about a third of its prompt. Without sharing it would also have held its
-# own copy of those 19 pages while A ran.
+# own copy of those 19<!-- out --> pages while A ran.
 #
 # When a request finishes its pages are not freed at once: pages the index knows about
 # become **cached**, unreferenced but still holding their K/V, and are evicted (least
@@ -220,10 +262,9 @@ print({name: warm[name].token_ids == cold[name].token_ids for name in prompts})
 # ## 3 · Many requests, one preamble
 #
 # Now *n* requests that share the preamble, each with a short question: the first one
-# arrives alone and warms the cache, the others arrive while it decodes. (Requests
-# admitted in the same prefill step cannot share: a prompt's blocks are indexed once they
-# are computed.) Each *n* is served twice, with `prefix_caching="hash"` and without, and
-# we count prompt tokens computed and the peak number of KV blocks held.
+# arrives alone and warms the cache, the others arrive while it decodes. Each *n* is
+# served twice, with `prefix_caching="hash"` and without, and we count prompt tokens
+# computed and the peak number of KV blocks held.
 
 # %%
 explorer = viz.SharingExplorer(
@@ -254,12 +295,83 @@ print(
 )
 
 # %% [markdown]
-# ## 4 · Hash vs radix when the prefix is not block-aligned
+# ### Requests that arrive together
 #
-# The hash index shares **full blocks only**: the shared prefix ends 9 tokens into its 20th block,
-# so those tokens are computed again by every request. SGLang's radix tree matches at
-# **token** granularity: after the full blocks it finds the cached block sharing the
-# longest run of tokens and copies those slots into the new request's fresh block.
+# Above, the first request warmed the cache alone. What if two requests with the same
+# preamble arrive together and the scheduler admits both in the same step?
+#
+# **Check yourself.** With `prefix_caching="hash"`, how much of its prompt does the
+# *second* request compute? Pick one of the three answers.
+
+# %%
+my_choice = None  # one of: "all of it", "all but the shared full blocks", "only its last token"
+ask("03.same-step", my_choice, prefix_caching=config.prefix_caching)
+
+# %% [markdown]
+# The scheduler publishes each admitted prompt's full blocks as it schedules the step,
+# before the forward runs, so the next request admitted in the same step finds them:
+
+# %%
+show_source(Scheduler._publish_ahead)
+
+# %% [markdown]
+# Its table then points at blocks whose K/V are not written yet. That is safe because
+# the step's single forward writes every row's K/V of a layer before any row's attention
+# reads that layer. vLLM V1 does the same: `KVCacheManager.allocate_slots` caches
+# (hashes and indexes) a request's full blocks as it schedules them
+# (`self.coordinator.cache_blocks(request, num_tokens_to_cache)` in
+# [vllm/v1/core/kv_cache_manager.py](https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/kv_cache_manager.py)),
+# so a burst of requests with one system prompt computes it once. Two preamble
+# questions, added together, one step:
+
+# %%
+together = kvlab.Engine(model, config)
+one_token = kvlab.SamplingParams(max_new_tokens=1)
+first, second = (together.add_request(p, one_token) for p in sharing.preamble_prompts(2))
+together.step()
+step = together.stats().iloc[0]
+print(f"step 1 admitted {step['batch_seqs']} requests: {step['prefix_query_tokens']} prompt "
+      f"tokens, {step['prefix_hit_tokens']} from the cache, {step['tokens']} computed")  # fmt: skip
+sharing.drain(together)
+for name, rid in (("first", first), ("second", second)):
+    out = sharing.output_of(together, rid)
+    hit, total = out.metrics.prefix_hit_tokens, len(out.prompt_token_ids)
+    print(f"{name}: {total} prompt tokens, {hit} from the cache")
+
+# %% [markdown]
+# ## 4 · Try it: the sharing explorer
+#
+# Move the **requests** slider to serve that many preamble requests live, with and
+# without sharing; pick another **block** size to see how it changes what is shared.
+# Each new setting runs both engines on the real model (a few seconds for 8 requests on
+# a laptop CPU); points already measured are kept.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+explorer.widget()
+
+# %% [markdown]
+# # Further: below the block, tenants, forks
+#
+# *Optional in a 50-minute lesson:* the sections below are a second lesson's worth, or
+# reading after the lab.
+
+# %% [markdown]
+# ## 5 · Hash vs radix when the prefix is not block-aligned
+#
+# The hash index shares **full blocks only**: the shared prefix ends 9 tokens into its
+# 20th block, so those tokens are computed again by every request; vLLM does the same
+# (it hashes full blocks only). kvlab's **radix** index (`prefix_caching="radix"`) keeps
+# a tree over the token ids, one node per block, like SGLang's radix tree, and matches at
+# **token** granularity whatever the block size: after the full blocks it finds the cached
+# block sharing the longest run of tokens and **copies** those slots into the new
+# request's fresh block.
+#
+# That copy is kvlab's own design. SGLang's `RadixCache`
+# ([python/sglang/srt/mem_cache/radix_cache.py](https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/mem_cache/radix_cache.py))
+# is token-granular only with `page_size=1`, where every token is a page of its own; with
+# larger pages it truncates a lookup to whole pages and matches page by page, so it
+# shares whole pages, as the hash index does, and copies nothing.
 #
 # Three preamble questions served one after another (with `FULL_SIZE`: two preamble
 # questions, then two questions about the same short document, which share preamble +
@@ -275,8 +387,8 @@ print(hits.to_string())
 # %% [markdown]
 # Hash hits are always a multiple of the block size; radix hits reach the whole shared
 # prefix, whatever the block size. The gap is less than one block per request: small at 16
-# tokens per block, large at 64, one reason engines with hash-based sharing keep blocks
-# small. (Radix pays for it with a copy of the partly matching page's slots.)
+# tokens per block, large at 64, one reason engines that share whole blocks keep them
+# small. (kvlab's radix pays for it with a copy of the partly matching page's slots.)
 
 # %%
 hit_rates = hits.filter(like="/").sum() / hits["prompt tokens"].sum()
@@ -284,7 +396,7 @@ print(f"hit rate over the {len(traffic)} requests (index/block size):")
 print((100 * hit_rates).round(1).to_string())
 
 # %% [markdown]
-# ## 5 · Tenants and prompt versions
+# ## 6 · Tenants and prompt versions
 #
 # Sharing must not leak one tenant's state to another: a request's **salt** (tenant,
 # cache namespace) is part of every block key, so requests with different salts never
@@ -310,7 +422,7 @@ for tenant, prompt, note in [
 salted.cache.check_integrity()  # asserts, among others, that no page is shared across salts
 
 # %% [markdown]
-# ## 6 · `n > 1` sampling with copy-on-write
+# ## 7 · `n > 1` sampling with copy-on-write
 #
 # `SamplingParams(n=4)` asks for four continuations of one prompt. The engine prefills
 # the prompt **once**; at the first token it forks three more samples whose tables point
@@ -320,6 +432,18 @@ salted.cache.check_integrity()  # asserts, among others, that no page is shared 
 # `seed + i`, the seeds the forks use), prefix caching off in both runs. Both run in
 # batch-invariant mode (notebook 15): a sample's logits are then the same bits whether
 # it forked or ran on its own, so the two ways draw the same tokens.
+
+# %% [markdown]
+# **Check yourself.** The prompt is Q from section 2, in blocks of 16 tokens. How many
+# copy-on-write copies will the four samples make in all?
+
+# %%
+q_tokens = len(engine.encode(prompt_q))
+print(f"Q: {q_tokens} prompt tokens = {q_tokens // 16} full blocks + {q_tokens % 16} tokens")
+
+# %%
+my_copies = None  # your answer: a number of copies
+ask("03.cow-copies", my_copies, n=4, prompt_len=q_tokens, block_size=16)
 
 # %%
 sampling = kvlab.SamplingParams(
@@ -344,19 +468,30 @@ viz.blocks_figure(cow_stats, "KV blocks held: 4 samples of a ~330-token prompt")
 # The forked run holds the prompt's 20 full pages once, plus the pages each sample writes
 # itself (its copy of the prompt's last, partly filled page, then its new tokens); the
 # separate requests hold four copies of the whole prompt and compute it four times. The
-# saving shrinks as the answers grow longer than the prompt (vLLM reports up to 55% less
-# memory for parallel sampling on real traffic).
-#
-# ## 7 · Try it: the sharing explorer
-#
-# Move the **requests** slider to serve that many preamble requests live, with and
-# without sharing; pick another **block** size to see how it changes what is shared.
-# Each new setting runs both engines on the real model (a few seconds for 8 requests on
-# a laptop CPU); points already measured are kept.
+# saving shrinks as the answers grow longer than the prompt: here the prompt is ~330
+# tokens and each sample 8, so sharing the prompt is nearly everything. The PagedAttention
+# paper (Kwon et al., SOSP 2023, §6.3, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180))
+# measured 6.1-9.8% fewer KV blocks from sharing in parallel sampling on Alpaca traces
+# (16.2-30.5% on ShareGPT, whose prompts are longer), and 37.6-55.2% (44.3-66.3%) in beam
+# search, where the candidates also share much of what they generate.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-explorer.widget()
+# %% [markdown]
+# > **Summary.**
+# > * With a paged cache, requests that begin with the same tokens point their block
+# >   tables at the same physical pages: the shared prefix is computed once and stored
+# >   once. A warm request computes only its uncached tail, so its time to first token
+# >   falls with the share of its prompt that is cached.
+# > * The hash index (vLLM's scheme) keys each **full** block by its parent's key, its
+# >   tokens and the salt; a lookup walks the chain and stops at the first miss, so hits
+# >   come in whole blocks.
+# > * Blocks are published when the step that computes them is scheduled, so requests
+# >   admitted in the same step share too (as in vLLM V1).
+# > * Finished requests' pages stay **cached** (unreferenced, reusable) until evicted,
+# >   least recently used first.
+# > * Further: kvlab's radix index also matches inside a block, by copying slots (its own
+# >   design; SGLang's radix tree shares whole pages unless pages are one token); salts
+# >   keep tenants apart; `n > 1` samples share the prompt's pages and copy the partly
+# >   filled one on write.
 
 # %% [markdown]
 # ## What to try next

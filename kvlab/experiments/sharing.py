@@ -92,9 +92,10 @@ def serve_sharing(
 ) -> list[RequestOutput]:
     """The first prompt arrives alone and is prefilled; the others arrive while it decodes.
 
-    Requests admitted in the same prefill step cannot share (a prompt's blocks are indexed
-    only once it is computed), so this is the order in which a shared preamble pays off:
-    one request warms the cache, the rest reuse it. Deterministic (no clocks involved).
+    One request warms the cache, the rest reuse it. (Requests admitted in the same step
+    share too: a prompt's full blocks are published when its step is scheduled, as in
+    vLLM V1; only a radix hit's partial-block copy needs its source computed in an earlier
+    step.) Deterministic (no clocks involved).
     """
     ids = [engine.add_request(prompts[0], params)]
     engine.step()
