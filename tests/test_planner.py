@@ -91,6 +91,25 @@ def test_capacity_curve_and_gqa_vs_mha():
     assert table["KV bytes/token"].tolist() == [57_344, 7 * 57_344]  # 28 heads / 4 KV heads
 
 
+def test_tensor_parallel_splits_weights_and_kv_heads_per_device():
+    alone = plan("Llama-3-70B", memory="80GiB", context_len=4096)
+    assert alone.paged_max_seqs == 0 and alone.kv_budget_bytes == 0  # 131 GiB of weights
+    for tp, kv_heads in ((2, 4), (4, 2), (8, 1), (16, 1)):  # 16 > 8 KV heads: replicated
+        p = plan("Llama-3-70B", memory="80GiB", context_len=4096, tensor_parallel_size=tp)
+        assert p.tensor_parallel_size == tp and p.kv_heads_per_rank == kv_heads
+        assert p.weight_bytes == -(-alone.weight_bytes // tp)  # each device's shard
+        assert p.kv_bytes_per_token == 2 * 80 * kv_heads * 128 * 2  # bf16, 80 layers
+        assert p.kv_tokens == p.kv_budget_bytes // p.kv_bytes_per_token
+    four = plan("Llama-3-70B", memory="80GiB", context_len=4096, tensor_parallel_size=4)
+    assert four.paged_max_seqs > 100 and "tensor parallel over 4 devices" in four.summary()
+    one = plan("Llama-3-8B", memory="80GiB", tensor_parallel_size=1)
+    assert one == plan("Llama-3-8B", memory="80GiB") and one.kv_heads_per_rank is None
+    with pytest.raises(ValueError, match="must divide the 64 query heads"):
+        plan("Llama-3-70B", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="the 4 KV heads must divide one another"):
+        plan("Qwen2.5-7B", tensor_parallel_size=14)  # 28 query heads, 4 KV heads
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="size '80 gigs' is not understood"):
         parse_size("80 gigs")
@@ -133,6 +152,9 @@ def test_plan_cli_json(capsys, tmp_path):
     )
     assert main(["plan", "--model", str(config), "--memory", "1GiB", "--context", "1024"]) == 0
     assert "MHA (4 query / 4 KV heads)" in capsys.readouterr().out
+    args = ["plan", "--model", "Llama-3-70B", "--tensor-parallel-size", "4", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["kv_heads_per_rank"] == 2
 
 
 def test_planner_app_follows_its_widgets():

@@ -27,6 +27,12 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--users", type=int, default=None, help="concurrent sequences to check")
     plan.add_argument("--max-model-len", type=int, default=None)
     plan.add_argument("--utilization", type=float, default=0.9)
+    plan.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices the model is split over, each with --memory (sizes are per device)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -42,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         utilization=args.utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     result = plan(shape, users=args.users, **options)
     mha = plan(shape.with_mha(), users=args.users, **options)

@@ -4,7 +4,14 @@
 engine is `kvlab.experiments.capacity_check`.
 """
 
-from kvlab.planner.plan import Plan, capacity_curve, gqa_vs_mha, plan, predict_engine_capacity
+from kvlab.planner.plan import (
+    Plan,
+    capacity_curve,
+    gqa_vs_mha,
+    plan,
+    predict_engine_capacity,
+    rank_shape,
+)
 from kvlab.planner.shape import (
     FLOAT_DTYPES,
     MODELS,
@@ -31,5 +38,6 @@ __all__ = [
     "parse_size",
     "plan",
     "predict_engine_capacity",
+    "rank_shape",
     "weight_bytes",
 ]

@@ -9,6 +9,13 @@ it runs blocks // ceil(C / block_size) sequences; a naive cache reserves max_mod
 slots for every sequence whatever its length, so it runs tokens // max_model_len.
 
     plan("Llama-3-8B", memory="80GiB", context_len=8192, users=32)
+    plan("Llama-3-70B", memory="80GiB", tensor_parallel_size=4)   # per device, 4 devices
+
+With tensor parallelism over `tensor_parallel_size` devices (vLLM's
+`tensor_parallel_size`), `memory` is each device's: every rank holds 1/tp of the weights
+and, for every token, the K and V of its share of the KV heads (kv_heads // tp of them, at
+least 1: vLLM replicates a KV head when there are more ranks than heads), so each device's
+KV budget holds tp times the tokens it would hold for the whole model.
 
 `kvlab.experiments.capacity_check` runs kvlab's engine on the embedded model with a byte
 budget and compares its measured peak concurrency with the prediction.
@@ -17,7 +24,7 @@ budget and compares its measured peak concurrency with the prediction.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -60,6 +67,8 @@ class Plan:
     users_max_context: int | None  # longest context memory allows each of `users` (paged)
     users_kv_bytes: int | None  # KV of `users` sequences of context_len, in whole blocks
     memory_needed_bytes: int | None  # memory for `users` x context_len (before utilization)
+    tensor_parallel_size: int = 1  # devices the model is split over; sizes are per device
+    kv_heads_per_rank: int | None = None  # KV heads each device stores (None: all of them)
 
     @property
     def oom_users(self) -> int:
@@ -80,8 +89,14 @@ class Plan:
     def summary(self) -> str:
         """A few lines a learner can read."""
         gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        lines = [
-            f"{self.model}: {self.params / 1e9:.2f} B parameters, {self.attention}",
+        lines = [f"{self.model}: {self.params / 1e9:.2f} B parameters, {self.attention}"]
+        if self.tensor_parallel_size > 1:
+            lines.append(
+                f"tensor parallel over {self.tensor_parallel_size} devices: each holds "
+                f"1/{self.tensor_parallel_size} of the weights and {self.kv_heads_per_rank} "
+                "KV head(s) of every token; sizes below are per device"
+            )
+        lines += [
             f"memory {gib(self.memory_bytes)} x {self.utilization:.0%} usable = "
             f"{gib(self.memory_bytes * self.utilization)}",
             f"  weights ({self.weight_dtype})  {gib(self.weight_bytes)}",
@@ -119,8 +134,9 @@ def plan(
     max_num_batched_tokens: int = 4096,
     max_num_seqs: int = 256,
     activations: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Plan:
-    """Plan a model on an accelerator.
+    """Plan a model on an accelerator (or on `tensor_parallel_size` of them).
 
     Args:
         model: a shipped name (`MODELS`), a config.json path, a dict, a HF config or a
@@ -133,6 +149,8 @@ def plan(
         max_model_len: what a naive cache reserves per sequence (default: the model's
             max_position_embeddings). utilization: fraction of memory the server may use.
         activations: bytes for activations; default `activation_bytes(...)`'s estimate.
+        tensor_parallel_size: devices the model is split over, each with `memory`
+            (`rank_shape`: what one of them holds); every size in the plan is per device.
     """
     shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
     if kv_codec is None:
@@ -148,15 +166,17 @@ def plan(
     if context_len > max_model_len:
         raise ValueError(f"context_len={context_len} exceeds max_model_len={max_model_len}")
     memory_bytes = parse_size(memory)
-    weights = weight_bytes(shape, weight_dtype)
+    tp = tensor_parallel_size
+    rank = rank_shape(shape, tp)  # what one device holds: the model itself when tp == 1
+    weights = ceil_div(weight_bytes(shape, weight_dtype), tp)  # each device's shard
     act_dtype = weight_dtype if weight_dtype in FLOAT_DTYPES else "bf16"
     if activations is None:
-        activations = activation_bytes(shape, act_dtype, max_num_batched_tokens, max_num_seqs)
+        activations = activation_bytes(rank, act_dtype, max_num_batched_tokens, max_num_seqs)
     kv_budget = max(0, int(memory_bytes * utilization) - weights - activations)
-    per_token = kv_bytes_per_token(shape, kv_codec)
+    per_token = kv_bytes_per_token(rank, kv_codec)  # every layer's K and V of its KV heads
     kv_tokens = kv_budget // per_token
     num_blocks = kv_tokens // block_size
-    per_seq_blocks = ceil_div(context_len, block_size)
+    per_seq_blocks = ceil_div(context_len, block_size)  # whole blocks per sequence
     users_fit = users_max_context = kv_needed = needed = None
     if users is not None:
         users_fit = users * per_seq_blocks <= num_blocks
@@ -187,6 +207,36 @@ def plan(
         users_max_context=users_max_context,
         users_kv_bytes=kv_needed,
         memory_needed_bytes=needed,
+        tensor_parallel_size=tp,
+        kv_heads_per_rank=rank.num_kv_heads if tp > 1 else None,
+    )
+
+
+def rank_shape(shape: ModelShape, tensor_parallel_size: int = 1) -> ModelShape:
+    """What one of `tensor_parallel_size` ranks computes and stores, as vLLM splits a
+    Llama-family model: query heads and the MLP split evenly, KV heads too (kv_heads // tp
+    each), or one replicated KV head per rank when there are more ranks than KV heads
+    (vLLM's QKVParallelLinear and ModelConfig.get_num_kv_heads). The hidden size (the
+    residual stream every rank keeps whole) does not change.
+
+    Raises ValueError where vLLM refuses: query heads not divisible by tp, or KV heads and
+    tp neither dividing the other."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp} must be >= 1")
+    if tp == 1:
+        return shape
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the {heads} query heads")
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size={tp} and the {kv} KV heads must divide one another")
+    return replace(
+        shape,
+        name=f"{shape.name} (1 of {tp} ranks)",
+        num_heads=heads // tp,
+        num_kv_heads=max(1, kv // tp),
+        intermediate_size=ceil_div(shape.intermediate_size, tp),
     )
 
 
