@@ -9,6 +9,7 @@ import torch
 
 from kvlab import workloads
 from kvlab.build import Engine
+from kvlab.cache.spec import KVSpec
 from kvlab.config import EngineConfig
 from kvlab.experiments import quality
 from kvlab.model.prompts import encode_prompt
@@ -35,6 +36,29 @@ def test_roundtrip_and_kv_error_on_random_kv():
     int8, int4 = quality.kv_error("int8", k, v), quality.kv_error("int4", k, v)
     assert 0 < int8["k_mean_err"] < int4["k_mean_err"]
     assert int8["v_max_err"] <= float(v.abs().max()) / 127
+
+
+def test_paired_interval_says_noise_when_it_holds_zero():
+    torch.manual_seed(0)
+    shifted = 0.05 + 0.01 * torch.randn(400, dtype=torch.float64)  # a clear 5% rise
+    low, high = quality.paired_interval(shifted)
+    assert 4.5 < low < high < 5.7
+    jitter = 0.01 * torch.randn(400, dtype=torch.float64)  # no change, only noise
+    low, high = quality.paired_interval(jitter - jitter.mean())
+    assert low < 0 < high
+    frame = pd.DataFrame({"ppl_pct_low": [-0.4, 0.5, -3.0], "ppl_pct_high": [0.3, 2.0, -1.0]})
+    assert quality.beyond_noise(frame).tolist() == ["noise", "up", "down"]
+
+
+def test_attention_layouts_count_mla_once_and_mqa_one_head():
+    spec = KVSpec(30, 3, 64)
+    layouts = quality.attention_layouts(spec, 9, torch.bfloat16).set_index("attention")
+    per_token = layouts["bytes_per_token"]
+    assert per_token["GQA (this model)"] == spec.bytes_per_token(torch.bfloat16)
+    assert per_token["MHA"] == 3 * per_token["GQA (this model)"] == 69120
+    assert per_token["MQA"] == 2 * 30 * 64 * 2
+    assert quality.mla_latent(128) == 576  # DeepSeek-V2/V3: 512 latent + 64 RoPE key
+    assert layouts.loc["MLA", "coefficient"] == 1 and per_token["MLA"] == 30 * 288 * 2
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +143,11 @@ def test_codec_report_has_one_row_per_codec(model, chat_prompts, forcing):
     assert list(report["bytes_per_token"]) == [46080, 23040, 11880]
     base = report.iloc[0]
     assert base["greedy_agreement"] == 1 and base["k_max_err"] == 0 and base["capacity_x"] == 1
+    # the sample behind each score travels with it
+    assert (report["tokens_scored"] == 96).all() and (report["free_run_answers"] == 1).all()
+    assert base["greedy_misses"] == 0 and base["steps_compared"] >= 1
+    assert (report["ppl_pct_low"] <= report["ppl_increase_pct"] + 1e-9).all()
+    assert (report["ppl_increase_pct"] <= report["ppl_pct_high"] + 1e-9).all()
     assert report["capacity"].is_monotonic_increasing
 
 

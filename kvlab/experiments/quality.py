@@ -4,11 +4,15 @@
   chunks, like a chunked prefill, so every later chunk attends to K/V that earlier chunks
   wrote through the codec. Per codec: perplexity, KL(baseline || codec) of the next-token
   distributions, and how often the top-1 token matches the baseline's. The baseline (the
-  model's dtype) runs in lockstep, so only one chunk's logits are ever held.
+  model's dtype) runs in lockstep, so only one chunk's logits are ever held. The
+  perplexity change comes with a 95% interval from the per-token differences of log
+  loss (codec - baseline, paired on the same tokens): a change whose interval holds 0
+  is noise at this much text.
 - `roundtrip` / `kv_error`: the codec alone on the baseline's real K/V (write, gather).
 - `stepwise_agreement` (the report's greedy_agreement): along the baseline's greedy
   answers to chat prompts, how often the codec picks the same greedy token given the
-  same history; every step reads its K/V back through the codec, as decode does.
+  same history; every step reads its K/V back through the codec, as decode does. All
+  prompts run as one batch per codec.
 - `greedy_tokens` / `agreement` (free_run_agreement): the engine (paged cache) answering
   chat prompts greedily with and without the codec; the fraction of positions where the
   tokens match. Strict: after a first difference the rest usually differs too, and a
@@ -18,11 +22,14 @@
   come first served, as the scheduler admits). It is counted, not run: no forward pass.
   kivi2's full-precision windows (per sequence, outside bytes per token) are paid for
   out of the budget first.
-- `codec_report`: all of it, one row per codec.
+- `codec_report`: all of it, one row per codec, with the sample sizes behind each score.
+- `attention_layouts`: bytes per token of one model's shape if its attention kept MHA's,
+  GQA's or MQA's K/V heads, or one MLA latent per layer (no separate V).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,6 +97,7 @@ def teacher_forced(
         name: KVPool(runner.kv_spec, slots, runner.dtype, runner.device, name) for name in names
     }
     totals = {name: torch.zeros(3, dtype=torch.float64) for name in names}  # nll, kl, top1
+    nlls: dict[str | None, list[torch.Tensor]] = {name: [] for name in names}  # per token
     tokens = torch.tensor(ids, dtype=torch.long, device=runner.device)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
@@ -101,9 +109,11 @@ def teacher_forced(
             logits = runner.forward(tokens[start:end], meta, pool, all_logits=True)
             logp = F.log_softmax(logits[skip:], -1)
             base = logp if name is None else base
+            nll = -logp.gather(1, target)[:, 0]
+            nlls[name].append(nll.double().cpu())
             totals[name] += torch.stack(
                 [
-                    -logp.gather(1, target).sum(),
+                    nll.sum(),
                     (base.exp() * (base - logp)).sum(),
                     (logp.argmax(-1) == base.argmax(-1)).sum(),
                 ]
@@ -121,8 +131,35 @@ def teacher_forced(
         )
     frame = pd.DataFrame(rows)
     frame["ppl_increase_pct"] = 100 * (frame["ppl"] / frame["ppl"].iloc[0] - 1)
+    base_nll = torch.cat(nlls[None])
+    low, high = zip(*(paired_interval(torch.cat(nlls[name]) - base_nll) for name in names))
+    frame["ppl_pct_low"], frame["ppl_pct_high"] = low, high
+    frame["tokens_scored"] = n - scored_from
     k, v = pools[None].k[:, :n].clone(), pools[None].v[:, :n].clone()
     return TeacherForcing(frame, k, v)
+
+
+def paired_interval(diff: torch.Tensor, z: float = 1.96) -> tuple[float, float]:
+    """95% interval (z standard errors) of the perplexity change in percent, from the
+    per-token differences of log loss `diff` (codec - baseline on the same tokens).
+
+    exp(mean diff) is the perplexity ratio; the standard error is diff's standard
+    deviation / sqrt(n), which treats tokens as independent (roughly true of these
+    differences). An interval that holds 0 means: no change this much text can see.
+    """
+    n = diff.numel()
+    mean = float(diff.mean())
+    se = float(diff.std()) / n**0.5 if n > 1 else 0.0
+    return 100 * (math.exp(mean - z * se) - 1), 100 * (math.exp(mean + z * se) - 1)
+
+
+def beyond_noise(frame: pd.DataFrame) -> pd.Series:
+    """Per row of a teacher_forced / codec_report frame: "up", "down" when the
+    perplexity change's 95% interval excludes 0, else "noise"."""
+    up, down = frame["ppl_pct_low"] > 0, frame["ppl_pct_high"] < 0
+    return pd.Series(
+        ["up" if u else "down" if d else "noise" for u, d in zip(up, down)], index=frame.index
+    )
 
 
 def roundtrip(
@@ -180,24 +217,32 @@ def stepwise_agreement(
     baseline's greedy answers, every step given the same history (the answer so far).
 
     Each prompt + answer runs through the codec's pool like a prefill and a run of decode
-    steps (every token attends to K/V read back through the codec); the baseline runs in
-    lockstep. Unlike `agreement` of free-running answers, one near-tie costs one token,
-    not the rest of the answer. Answer-weighted over all prompts.
+    steps (every token attends to K/V read back through the codec); the baseline runs
+    first on the same batch. All prompts go in one forward per codec, each in its own
+    region of the pool. Unlike `agreement` of free-running answers, one near-tie costs
+    one token, not the rest of the answer. Answer-weighted over all prompts.
     """
-    kv_codecs = named(kv_codecs)
-    hits = dict.fromkeys([BASELINE, *map(label, kv_codecs)], 0.0)
-    total = 0
-    for prompt, answer in zip(prompts, answers):
-        if not answer:
-            continue
-        ids = [*prompt, *answer]
-        frame = teacher_forced(runner, ids, kv_codecs, scored_from=len(prompt) - 1).frame
-        for codec, top1 in zip(frame["codec"], frame["top1_agreement"]):
-            hits[codec] += top1 * len(answer)
-        total += len(answer)
-    if not total:
+    pairs = [(list(p), list(a)) for p, a in zip(prompts, answers) if a]
+    if not pairs:
         raise ValueError("no answer tokens to compare")
-    return {codec: value / total for codec, value in hits.items()}
+    fed = [p + a[:-1] for p, a in pairs]  # each fed token predicts the next
+    region = _slots_for(max(map(len, fed)))
+    device = runner.device
+    meta = build_attention_metadata(
+        [0] * len(fed), [len(f) for f in fed], [[i] for i in range(len(fed))], region, device
+    )
+    rows, first = [], 0  # rows of the packed batch that predict an answer token
+    for (prompt, _), f in zip(pairs, fed):
+        rows += range(first + len(prompt) - 1, first + len(f))
+        first += len(f)
+    tokens = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=device)
+    at = torch.tensor(rows, dtype=torch.long, device=device)
+    choices = {}
+    for name in [None, *named(kv_codecs)]:
+        pool = KVPool(runner.kv_spec, region * len(fed), runner.dtype, device, name)
+        choices[label(name)] = runner.forward(tokens, meta, pool, logits_at=at).argmax(-1)
+    base = choices[BASELINE]
+    return {codec: float((picked == base).double().mean()) for codec, picked in choices.items()}
 
 
 def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
@@ -281,6 +326,43 @@ def bytes_table(
     return frame
 
 
+def mla_latent(head_dim: int) -> int:
+    """Elements of one MLA latent per token per layer at DeepSeek-V2's ratios: a compressed
+    KV of 4 x head_dim and a decoupled RoPE key of head_dim / 2 (arXiv 2405.04434, sec. 2.1;
+    DeepSeek-V2/V3: 512 + 64 = 576 for head_dim 128)."""
+    return 4 * head_dim + head_dim // 2
+
+
+def attention_layouts(
+    spec: KVSpec, num_heads: int, dtype: torch.dtype, latent: int | None = None
+) -> pd.DataFrame:
+    """Bytes per token of one model's KV (its layers and head_dim) under four attention
+    layouts: MHA (a K and a V head per query head), GQA (spec.num_kv_heads, as the model
+    ships), MQA (one K/V head for all) and MLA (one latent of `latent` elements per layer,
+    default `mla_latent(head_dim)`, and no separate V: vLLM's page coefficient 1 instead
+    of 2, its MLAAttentionSpec). Changing the layout means training the model so; a codec
+    then multiplies the saving, as on any layout."""
+    element = torch.empty((), dtype=dtype).element_size()
+    latent = mla_latent(spec.head_dim) if latent is None else latent
+    layouts = [
+        ("MHA", f"K and V, {num_heads} heads", 2, num_heads, spec.head_dim),
+        ("GQA (this model)", f"K and V, {spec.num_kv_heads} heads", 2, spec.num_kv_heads,
+         spec.head_dim),
+        ("MQA", "K and V, 1 head", 2, 1, spec.head_dim),
+        ("MLA", f"one latent of {latent}", 1, 1, latent),
+    ]  # fmt: skip
+    frame = pd.DataFrame(
+        [
+            {"attention": name, "stored per layer": stored, "coefficient": coef,
+             "elements_per_layer": coef * heads * dim,
+             "bytes_per_token": coef * spec.num_layers * heads * dim * element}
+            for name, stored, coef, heads, dim in layouts
+        ]
+    )  # fmt: skip
+    frame["x_smaller_than_mha"] = frame["bytes_per_token"].iloc[0] / frame["bytes_per_token"]
+    return frame
+
+
 def codec_report(
     model: LoadedModel,
     kv_codecs: Sequence[str] | None = None,
@@ -301,6 +383,10 @@ def codec_report(
     short answers at `budget_bytes`. free_run_agreement (one engine run per codec, the
     costly part) uses the first `free_run` prompts.
     `forcing` reuses a teacher_forced() result computed on the same codecs.
+
+    The sample behind each score is a column: tokens_scored (perplexity, KL, top-1; with
+    ppl_pct_low / ppl_pct_high, the 95% interval of ppl_increase_pct), steps_compared
+    and greedy_misses (greedy_agreement), free_run_answers (free_run_agreement).
     """
     runner, kv_codecs = ModelRunner(model.hf_model), named(kv_codecs)
     if forcing is None:
@@ -314,6 +400,7 @@ def codec_report(
     reference = greedy_tokens(model, None, prompts, new_tokens)
     prompt_ids = [engine.encode(p) for p in prompts]
     stepwise = stepwise_agreement(runner, prompt_ids, reference, kv_codecs)
+    steps = sum(map(len, reference))
     rows = []
     for name in names:
         cls = CODECS[name]
@@ -325,14 +412,19 @@ def codec_report(
                 "describe": cls.describe,
                 "bytes_per_token": cls.token_bytes(runner.kv_spec, runner.dtype),
                 "greedy_agreement": stepwise[label(name)],
+                "steps_compared": steps,
+                "greedy_misses": round((1 - stepwise[label(name)]) * steps),
                 "free_run_agreement": agreement(reference[:free_run], tokens[:free_run]),
+                "free_run_answers": len(free),
                 **kv_error(name, forcing.k, forcing.v),
                 "capacity": capacity(model, name, budget_bytes, encoded),
             }
         )
     frame = forcing.frame.merge(pd.DataFrame(rows), on="codec")
     frame["capacity_x"] = frame["capacity"] / frame["capacity"].iloc[0]
-    columns = ["codec", "describe", "bytes_per_token", "ppl", "ppl_increase_pct", "kl",
-               "top1_agreement", "greedy_agreement", "free_run_agreement", "k_max_err",
-               "k_mean_err", "v_max_err", "v_mean_err", "capacity", "capacity_x"]  # fmt: skip
+    columns = ["codec", "describe", "bytes_per_token", "ppl", "ppl_increase_pct",
+               "ppl_pct_low", "ppl_pct_high", "tokens_scored", "kl", "top1_agreement",
+               "greedy_agreement", "steps_compared", "greedy_misses", "free_run_agreement",
+               "free_run_answers", "k_max_err", "k_mean_err", "v_max_err", "v_mean_err",
+               "capacity", "capacity_x"]  # fmt: skip
     return frame[columns]

@@ -146,17 +146,30 @@ def channel_magnitude_figure(k: torch.Tensor, v: torch.Tensor, layer: int) -> go
 
 
 def codec_frontier_figure(report: pd.DataFrame) -> go.Figure:
-    """Bytes per token against perplexity increase and greedy agreement, one point per codec."""
-    figure = make_subplots(
-        rows=1,
-        cols=2,
-        subplot_titles=("perplexity increase vs baseline", "greedy-token agreement"),
-    )
+    """Bytes per token against perplexity increase and greedy agreement, one point per codec.
+
+    With a codec_report's sample columns, the perplexity points carry their 95% interval
+    as error bars and the panel titles say how many tokens and steps each score rests on.
+    """
+    titles = ["perplexity increase vs baseline", "greedy-token agreement"]
+    if "tokens_scored" in report:
+        titles[0] += f" (95% interval, {int(report['tokens_scored'].iloc[0]):,} tokens)"
+    if "steps_compared" in report:
+        titles[1] += f" ({int(report['steps_compared'].iloc[0]):,} steps)"
+    figure = make_subplots(rows=1, cols=2, subplot_titles=titles)
     for col, column in enumerate(("ppl_increase_pct", "greedy_agreement"), start=1):
+        error = None
+        if column == "ppl_increase_pct" and {"ppl_pct_low", "ppl_pct_high"} <= set(report):
+            error = dict(
+                type="data",
+                array=report["ppl_pct_high"] - report[column],
+                arrayminus=report[column] - report["ppl_pct_low"],
+            )
         figure.add_trace(
             go.Scatter(
                 x=report["bytes_per_token"],
                 y=report[column] * (100 if column == "greedy_agreement" else 1),
+                error_y=error,
                 text=report["codec"],
                 mode="markers+text",
                 textposition="top center",
