@@ -169,9 +169,14 @@ def test_preemption_cost_counts_what_moves(tiny_model):
     assert recompute["tokens_recomputed"].tolist() == [19, 67]
     assert (swap["tokens_recomputed"] == 0).all() and (recompute["bytes_swapped"] == 0).all()
     assert (costs[["preempt_s", "resume_step_s", "decode_step_s"]] > 0).all().all()
+    # swap's extra is the two copies, timed directly: never a negative difference of steps
+    assert (swap["copy_in_s"] > 0).all() and (recompute["copy_in_s"] == 0).all()
+    assert swap["extra_s"].tolist() == (swap["preempt_s"] + swap["copy_in_s"]).tolist()
+    assert (costs["decode_spread_s"] >= 0).all()
     fig = cost_figure(costs)
     names = [t.name for t in fig.data]
-    assert names[:2] == [f"{mode}: preempt + resume step" for mode in ("swap", "recompute")]
+    assert names[:2] == [f"{mode}: extra time" for mode in ("swap", "recompute")]
+    assert "a plain decode step" in names and fig.layout.yaxis.type == "log"
     assert list(fig.data[-1].y) == [19, 67]
 
 

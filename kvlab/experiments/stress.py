@@ -167,55 +167,94 @@ def preemption_cost(
     lengths: Sequence[int],
     mode: str,
     baseline_steps: int = 3,
+    repeats: int = 3,
 ) -> pd.DataFrame:
-    """Preempt one victim of each length and resume it; one row per length.
+    """Preempt one victim of each length and resume it, `repeats` times; one row per length.
 
     For every length L a fresh engine prefills the first L tokens of `prompt_ids` and
-    decodes `baseline_steps` tokens (plain decode steps, the baseline); then the scheduler
-    preempts the sequence (`mode`: "swap" or "recompute") and the next step resumes it.
+    decodes `baseline_steps` tokens (plain decode steps, the baseline); then `repeats`
+    times the scheduler preempts the sequence (`mode`: "swap" or "recompute"), the next
+    step resumes it, and one plain decode step follows. Each round adds two tokens to
+    the victim; the seconds are medians over the rounds.
 
-    Columns: victim_tokens (its length when preempted), bytes_swapped (copied to host
-    memory; as many come back on resume), tokens_recomputed, and in seconds: preempt_s
-    (taking the blocks away: the copy out, for swap), resume_step_s (the step that brings
-    the victim back and decodes its next token: copy in + decode, or prefill it all
-    again), decode_step_s (median plain decode step) and extra_s = preempt_s +
-    resume_step_s - decode_step_s (what the preemption added; noise can make a tiny swap
-    come out slightly negative).
+    Columns: victim_tokens (its length at the first preemption), bytes_swapped (copied to
+    host memory by that preemption; as many come back on resume), tokens_recomputed
+    (prefilled again by it), and in seconds: preempt_s (taking the blocks away: the copy
+    out, for swap), copy_in_s (swap: the copy back into fresh blocks, timed on its own;
+    0 for recompute), resume_step_s (the step that brings the victim back and decodes its
+    next token: copy in + decode, or prefill it all again), decode_step_s (median plain
+    decode step), decode_spread_s (max - min of the plain decode steps: how much a step
+    varies by itself on this machine) and extra_s, what the preemption added: for swap
+    preempt_s + copy_in_s, the two copies timed directly (a copy of a few milliseconds
+    would drown in decode_spread_s if taken as a difference of step times, and could come
+    out negative); for recompute preempt_s + resume_step_s - decode_step_s, the prefill.
     """
     rows = []
     for length in lengths:
+        grown = length + baseline_steps + 2 * repeats
         config = EngineConfig(
             **PRESSURED,
             preemption=mode,
-            max_model_len=length + baseline_steps + 8,
-            kv_budget_tokens=length + baseline_steps + 16,
+            max_model_len=grown + 8,
+            kv_budget_tokens=grown + 16,
         )
         engine = Engine(model, config)
-        params = SamplingParams(baseline_steps + 3, ignore_eos=True)
+        params = SamplingParams(baseline_steps + 2 * repeats + 2, ignore_eos=True)
         engine.add_request(list(prompt_ids[:length]), params)
         for _ in range(1 + baseline_steps):  # prefill (first token), then plain decodes
             engine.step()
         [victim] = engine.scheduler.running
         victim_tokens = victim.num_computed
-        started = time.perf_counter()
-        engine.scheduler.preempt(victim)
-        preempt_s = time.perf_counter() - started
-        engine.step()  # swap in + decode, or prefill everything again
-        step_s = engine.stats()["step_s"]
+        copies_in = _timed_swap_in(engine)
+        preempts, resumes, moved = [], [], None
+        for _ in range(repeats):
+            started = time.perf_counter()
+            engine.scheduler.preempt(victim)
+            preempts.append(time.perf_counter() - started)
+            scheduler = engine.scheduler
+            moved = moved or (scheduler.swapped_bytes, scheduler.recomputed_tokens)
+            engine.step()  # swap in + decode, or prefill everything again
+            resumes.append(float(engine.stats()["step_s"].iloc[-1]))
+            engine.step()  # a plain decode before the next round
+        step_s = engine.stats()["step_s"].to_numpy()
+        plain = [*range(1, 1 + baseline_steps)]
+        plain += [1 + baseline_steps + 2 * k + 1 for k in range(repeats)]
+        decodes = step_s[plain]
+        preempt_s = float(np.median(preempts))
+        copy_in_s = float(np.median(copies_in)) if copies_in else 0.0
+        resume_s, decode_s = float(np.median(resumes)), float(np.median(decodes))
+        extra = preempt_s + (copy_in_s if mode == "swap" else resume_s - decode_s)
         rows.append(
             {
                 "mode": mode,
                 "victim_tokens": victim_tokens,
-                "bytes_swapped": engine.scheduler.swapped_bytes,
-                "tokens_recomputed": engine.scheduler.recomputed_tokens,
+                "bytes_swapped": moved[0],
+                "tokens_recomputed": moved[1],
                 "preempt_s": preempt_s,
-                "resume_step_s": float(step_s.iloc[-1]),
-                "decode_step_s": float(step_s.iloc[1:-1].median()),
+                "copy_in_s": copy_in_s,
+                "resume_step_s": resume_s,
+                "decode_step_s": decode_s,
+                "decode_spread_s": float(decodes.max() - decodes.min()),
+                "extra_s": extra,
             }
         )
-    frame = pd.DataFrame(rows)
-    extra = frame["preempt_s"] + frame["resume_step_s"] - frame["decode_step_s"]
-    return frame.assign(extra_s=extra)
+    return pd.DataFrame(rows)
+
+
+def _timed_swap_in(engine: Engine) -> list[float]:
+    """Time every swap-in of `engine`'s cache from now on (the copy back into fresh
+    blocks, which the scheduler runs before the step's forward); returns the list the
+    times go to."""
+    cache, times = engine.cache, []
+    swap_in = cache.swap_in
+
+    def timed(seq, saved):
+        started = time.perf_counter()
+        swap_in(seq, saved)
+        times.append(time.perf_counter() - started)
+
+    cache.swap_in = timed  # this engine only: an attribute of its cache object
+    return times
 
 
 # --- static vs continuous batching ---------------------------------------------------------

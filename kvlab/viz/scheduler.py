@@ -215,25 +215,27 @@ def free_blocks_figure(engines: dict[str, Engine], x: str = "step") -> go.Figure
 
 def cost_figure(costs: pd.DataFrame) -> go.Figure:
     """Swap vs recompute by victim length (`stress.preemption_cost` rows of both modes):
-    the step that resumes the victim against a plain decode step (left), and what had to
-    move: MiB copied out to host memory, or tokens computed again (right)."""
+    what one preemption added (extra_s, log scale) against a plain decode step and its
+    own variation (left), and what had to move: MiB copied out to host memory, or tokens
+    computed again (right)."""
     fig = make_subplots(
         rows=1,
         cols=2,
-        subplot_titles=("the step that resumes the victim", "what one preemption moves"),
+        subplot_titles=("what one preemption adds (ms, log)", "what one preemption moves"),
         specs=[[{}, {"secondary_y": True}]],
     )
     colors = {"swap": STATE_COLORS["swapped"], "recompute": STATE_COLORS["preempted"]}
     for mode, rows in costs.groupby("mode", sort=False):
         fig.add_scatter(
             x=rows["victim_tokens"],
-            y=(rows["preempt_s"] + rows["resume_step_s"]) * 1e3,
-            name=f"{mode}: preempt + resume step",
+            y=rows["extra_s"].clip(lower=1e-6) * 1e3,
+            name=f"{mode}: extra time",
             line=dict(color=colors.get(mode)),
             row=1,
             col=1,
         )
-    baseline = costs.groupby("victim_tokens", sort=True)["decode_step_s"].median()
+    by_length = costs.groupby("victim_tokens", sort=True)
+    baseline = by_length["decode_step_s"].median()
     fig.add_scatter(
         x=baseline.index,
         y=baseline * 1e3,
@@ -242,6 +244,16 @@ def cost_figure(costs: pd.DataFrame) -> go.Figure:
         row=1,
         col=1,
     )
+    if "decode_spread_s" in costs:
+        spread = by_length["decode_spread_s"].max().clip(lower=1e-6)
+        fig.add_scatter(
+            x=spread.index,
+            y=spread * 1e3,
+            name="decode steps' own spread (max - min)",
+            line=dict(color="#7f7f7f", dash="dot"),
+            row=1,
+            col=1,
+        )
     swap = costs[costs["mode"] == "swap"]
     recompute = costs[costs["mode"] == "recompute"]
     fig.add_bar(
