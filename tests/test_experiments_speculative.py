@@ -117,3 +117,22 @@ def test_rollback_animation_frames(tiny_model):
         returned = after.count(STATES.index("returned"))
         assert returned == 2 * (len(e.table) - len(e.kept))
         assert f"{len(e.drafts)} drafts, {e.accepted} accepted" in describe_event(e)
+
+
+def test_repeats_keep_the_first_rounds_counts_and_the_fastest_times(tiny_model, result):
+    """repeats=2: every configuration runs twice in interleaved rounds; the counts are the
+    first round's (drafts are not counted twice), the times each one's fastest."""
+    workloads = {"loops": [Request(p, NEW_TOKENS) for p in PROMPTS]}
+    twice = speculative.compare_speculation(
+        tiny_model, workloads, ks=(2,), layers_k=1, hf=False, sweep_workload="loops",
+        sweep_batch_sizes=(1, 3), sweep_k=2, ngram_min=1, repeats=2,
+    )  # fmt: skip
+    once = [r for r in result.runs if r.system == "kvlab"]
+    assert len(twice.runs) == len(once)
+    for a, b in zip(once, twice.runs):
+        assert (a.name, a.batch_size, a.part) == (b.name, b.batch_size, b.part)
+        assert (a.output_tokens, a.decode_forwards, a.drafted, a.accepted) == (
+            b.output_tokens, b.decode_forwards, b.drafted, b.accepted
+        )  # fmt: skip
+        assert a.outputs == b.outputs and b.identical
+        assert 0 < b.decode_s <= b.wall_s

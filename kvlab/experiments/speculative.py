@@ -171,6 +171,7 @@ def compare_speculation(
     engines: dict[str, Engine] | None = None,
     ngram_min: int = PROMPT_LOOKUP_MIN,
     vllm: bool = False,
+    repeats: int = 1,
 ) -> SpecResult:
     """kvlab (no speculation, n-gram at each k, the "layers" draft), HF (plain and
     prompt lookup at each k) and, with `vllm`, vLLM (plain and n-gram at each k, with
@@ -178,7 +179,8 @@ def compare_speculation(
     sweep of n-gram at `sweep_k` on `sweep_workload`; see the module doc. `engines`: an
     idle prefix-caching engine per workload to reuse (its cached prompts save the
     warm-up's prefills and the sweep's).
-    `ngram_min`: kvlab's prompt_lookup_min (HF's prompt lookup always goes down to 1)."""
+    `ngram_min`: kvlab's prompt_lookup_min (HF's prompt lookup always goes down to 1).
+    `repeats`: kvlab's rounds per run, its fastest kept (kvlab.experiments.spec_kvlab)."""
     runs, meta = [], {"prefill_s": {}, "kvlab_vs_hf_identical": {}}
     if vllm:
         meta["kvlab_vs_vllm_identical"] = {}
@@ -187,7 +189,7 @@ def compare_speculation(
     for name, requests in workloads.items():
         requests = encode_requests(model, requests)
         ours, meta["prefill_s"][name], engines[name] = run_kvlab(
-            model, name, requests, specs, engines.get(name)
+            model, name, requests, specs, engines.get(name), repeats=repeats
         )
         mark_identity(ours)
         runs += ours
@@ -209,8 +211,9 @@ def compare_speculation(
         requests = encode_requests(model, workloads[sweep_workload])
         spec = kvlab_specs((sweep_k,), None, ngram_min)[f"ngram k={sweep_k}"]
         runs += batch_sweep(
-            model, sweep_workload, requests, spec, sweep_batch_sizes, engines.get(sweep_workload)
-        )
+            model, sweep_workload, requests, spec, sweep_batch_sizes,
+            engines.get(sweep_workload), repeats=repeats,
+        )  # fmt: skip
     meta["prompt_tokens"] = {
         name: [len(r.prompt) for r in encode_requests(model, reqs)]
         for name, reqs in workloads.items()
