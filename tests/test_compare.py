@@ -94,6 +94,10 @@ def test_compare_runs_every_config_on_the_same_budget(result):
     outputs = [run.outputs for run in result.runs.values()]
     assert outputs[0] == outputs[1] == outputs[2]  # the cache never changes greedy tokens
     assert set(comparison_figures(result)) == {"memory", "capacity", "throughput", "latency"}
+    by_step = comparison_figures(result, x="step")["memory"]
+    steps = len(result.runs["naive"].stats)
+    assert list(by_step.data[0].x) == list(range(1, steps + 1))  # the same on every machine
+    assert by_step.layout.xaxis.title.text == "engine step"
 
 
 def test_compare_cli_json_and_html(tmp_path, capsys):
@@ -138,6 +142,8 @@ def test_dashboard_draws_a_comparison_and_reruns_from_its_widgets(model, result,
                     "hf-generate": {"output_tokens": 8, "wall_s": 2.0, "tok_s": 4.0},
                 },
                 "ratios": {"kvlab/hf-generate": 2.0},
+                "workload": "chat",
+                "provenance": {"machine": "AMD EPYC, 2 cores"},
             }
         )
     )
@@ -149,6 +155,8 @@ def test_dashboard_draws_a_comparison_and_reruns_from_its_widgets(model, result,
     throughput = [t for t in dash.figure.data if t.type == "bar" and t.name in ("kvlab", "bench")]
     assert list(throughput[1].x) == ["bench: kvlab", "bench: hf-generate"]
     assert list(throughput[1].y) == [8.0, 4.0]
+    titles = [a.text for a in dash.figure.layout.annotations]
+    assert "throughput (grey: saved bench, chat, AMD EPYC, 2 cores)" in titles  # another run
     # Drive it as a user would: change the widgets, press Run.
     dash.workload.value, dash.n.value = "uniform-chat", 2
     dash.configs.value = ("naive", "paged")

@@ -15,14 +15,16 @@ from kvlab.viz.style import PEER_COLOR, palette_color
 
 
 def comparison_figures(
-    comparison: Comparison, peers: dict[str, float] | None = None
+    comparison: Comparison, peers: dict[str, float] | None = None, x: str = "time_s"
 ) -> dict[str, go.Figure]:
     """Standalone figures: memory over time, capacity, throughput and latency.
 
     `peers`: extra throughput bars {name: tok/s} (e.g. from a saved bench), grey.
+    `x`: the memory figure's axis, "time_s" (seconds) or "step" (engine steps: the same on
+    every machine).
     """
     return {
-        "memory": memory_over_time(comparison),
+        "memory": memory_over_time(comparison, x),
         "capacity": _single(add_capacity, comparison, "Peak concurrent sequences and waste"),
         "throughput": _single(add_throughput, comparison, "Throughput", peers),
         "latency": _single(add_latency, comparison, "Latency"),
@@ -40,14 +42,26 @@ def _cell(row: int | None, col: int | None) -> dict:
     return {} if row is None else {"row": row, "col": col}
 
 
-def add_memory(fig: go.Figure, comparison: Comparison, row=None, col=None) -> None:
-    """Reserved (solid) and live (dotted) KV MiB against seconds, a colour per config,
-    and the budget (dashed)."""
+AXES = {"time_s": "seconds", "step": "engine step"}
+
+
+def _axis(stats, x: str):
+    """The x values of a run's steps: seconds from its first step, or step numbers."""
+    if x not in AXES:
+        raise ValueError(f"x={x!r}: choose one of {list(AXES)}")
+    return stats[x] - stats[x].min() + (1 if x == "step" else 0)
+
+
+def add_memory(
+    fig: go.Figure, comparison: Comparison, row=None, col=None, x: str = "time_s"
+) -> None:
+    """Reserved (solid) and live (dotted) KV MiB against seconds (or engine steps, `x`),
+    a colour per config, and the budget (dashed)."""
     cell, end = _cell(row, col), 0.0
     for i, (name, run) in enumerate(comparison.runs.items()):
         color, stats = palette_color(i), run.stats
-        end = max(end, float(stats["time_s"].max() - stats["time_s"].min()) if len(stats) else 0)
-        t = stats["time_s"] - stats["time_s"].min()
+        t = _axis(stats, x)
+        end = max(end, float(t.max()) if len(stats) else 0)
         for column, dash, label in (
             ("reserved_bytes", "solid", "reserved"),
             ("live_bytes", "dot", "live"),
@@ -69,18 +83,19 @@ def add_memory(fig: go.Figure, comparison: Comparison, row=None, col=None) -> No
         line=dict(color="black", dash="dash", width=1),
         **cell,
     )
-    fig.update_xaxes(title_text="seconds", **cell)
+    fig.update_xaxes(title_text=AXES[x], **cell)
     fig.update_yaxes(title_text="KV MiB", rangemode="tozero", **cell)
 
 
-def memory_over_time(comparison: Comparison) -> go.Figure:
-    """KV memory over time (top) and running sequences (bottom), a colour per config."""
+def memory_over_time(comparison: Comparison, x: str = "time_s") -> go.Figure:
+    """KV memory over time (top) and running sequences (bottom), a colour per config;
+    `x`: "time_s" (seconds) or "step" (engine steps)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35])
-    add_memory(fig, comparison, 1, 1)
+    add_memory(fig, comparison, 1, 1, x)
     for i, (name, run) in enumerate(comparison.runs.items()):
         stats = run.stats
         fig.add_scatter(
-            x=stats["time_s"] - stats["time_s"].min(),
+            x=_axis(stats, x),
             y=stats["running"],
             name=f"{name} running",
             legendgroup=name,

@@ -2,8 +2,10 @@
 
 Widgets pick the workload, its size, the KV budget and the configs; "Run" serves the
 workload through every config live on the real model (`kvlab.experiments.compare`) and redraws
-four panels: KV memory over time (reserved vs live), throughput (with the systems of a
-saved `kvlab bench` run beside kvlab's, in grey), latency, and peak concurrency.
+four panels: KV memory over time (reserved vs live), throughput, latency, and peak
+concurrency. Given a saved `kvlab bench` run (`bench=`), the throughput panel draws its
+systems in grey beside the live bars, its title naming that run's workload and machine:
+they are another run's figures, not this one's.
 
 An endpoint box takes the URL of any OpenAI-compatible server (`kvlab serve`, `vllm serve`,
 a multi-GPU vLLM deployment): "Replay" sends the same workload's token ids there and draws,
@@ -52,7 +54,7 @@ BUDGETS_MIB = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768
                2048, 3072, 4096)  # fmt: skip
 PANELS = (
     "KV memory: reserved vs live (dotted)",
-    "throughput (grey: saved bench)",
+    "throughput, output tok/s",
     "latency",
     "peak concurrent sequences",
 )
@@ -69,7 +71,8 @@ class Dashboard(App):
         budget_mib: the KV budget of every config, in MiB.
         configs: the configs selected at first.
         bench: a saved bench (BenchResult or a path to its JSON): its systems are drawn
-            in grey beside kvlab's live throughput.
+            in grey beside kvlab's live throughput, the panel's title naming its workload
+            and machine (another run: compare like with like).
         initial: a Comparison to draw at once instead of running (keeps notebooks fast).
         max_model_len: per-sequence cap (what the naive cache reserves); default from
             the workload (`kvlab.experiments.compare.default_max_model_len`).
@@ -127,6 +130,11 @@ class Dashboard(App):
         self.figure.update_layout(
             height=720, width=1000, barmode="group", legend=dict(font=dict(size=10))
         )
+        if self.bench is not None:
+            machine = self.bench.provenance.get("machine") or self.bench.meta.get("machine")
+            where = f", {machine}" if machine else ""
+            title = f"throughput (grey: saved bench, {self.bench.workload}{where})"
+            self.figure.layout.annotations[1].text = title
         if initial is not None:
             self.draw(initial)
 
