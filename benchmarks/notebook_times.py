@@ -15,6 +15,8 @@ whether it ran ok within --budget seconds, the date it ran and the load average 
 plus the machine: architecture, CPU cores and the torch threads a kernel gets (set them
 with --threads or OMP_NUM_THREADS). --update re-times some notebooks: their new rows
 replace their old ones in --out, and every other row stays as it was measured.
+--store writes each notebook that ran ok back over its file: its stored outputs become
+this timed run's (re-executing the course on a quiet machine and timing it is one pass).
 """
 
 from __future__ import annotations
@@ -109,9 +111,15 @@ def failed_cell(cells: list) -> int | None:
 
 
 def time_notebook(
-    path: Path, env: dict[str, str], budget_s: float = BUDGET_S, cell_timeout_s: int = 3000
+    path: Path,
+    env: dict[str, str],
+    budget_s: float = BUDGET_S,
+    cell_timeout_s: int = 3000,
+    store: bool = False,
 ) -> dict:
-    """Execute a temp copy of `path` top to bottom in a fresh kernel; one row of the table."""
+    """Execute a temp copy of `path` top to bottom in a fresh kernel; one row of the table.
+
+    store: write the executed copy back over `path` when every cell ran (never on error)."""
     path = Path(path).resolve()
     with tempfile.TemporaryDirectory(prefix="kvlab-nbtime-") as tmp:
         copy = Path(tmp) / path.name
@@ -135,6 +143,8 @@ def time_notebook(
                 "message": lines[-1][:300] if lines else type(exc).__name__,
             }
         wall_s = time.perf_counter() - start
+    if store and status == "ok":
+        nbformat.write(nb, path)
     times = [(i, _seconds(c)) for i, c in enumerate(code_cells)]
     times = [(i, s) for i, s in times if s is not None]
     slowest = max(times, key=lambda t: t[1], default=None)
@@ -184,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cell-timeout", type=int, default=3000, help="seconds per cell")
     parser.add_argument("--update", action="store_true",
                         help="keep the other notebooks' rows already in --out")  # fmt: skip
+    parser.add_argument("--store", action="store_true",
+                        help="store the outputs of each run that went through")  # fmt: skip
     args = parser.parse_args(argv)
     if args.model:
         parser.error("--model does not apply: each notebook loads its own model")
@@ -202,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         rows = []
         for i, path in enumerate(paths, start=1):
-            row = time_notebook(path, env, args.budget, args.cell_timeout)
+            row = time_notebook(path, env, args.budget, args.cell_timeout, args.store)
             rows.append(row)
             note = f" ({row['error']['message']})" if row["error"] else ""
             print(

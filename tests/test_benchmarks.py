@@ -203,7 +203,8 @@ def test_notebook_times_update_replaces_only_the_rows_it_timed(tmp_path):
 
 def test_notebook_times_reports_errors_and_leaves_the_notebook(tmp_path):
     """A failing cell makes the row "error" with the cell and the exception; the timed
-    notebook itself is never written; over budget is not within it."""
+    notebook itself is never written (with store=True, only a run that went through is);
+    over budget is not within it."""
     script = load_script("notebook_times")
     path = script.tiny_notebook(tmp_path)
     nb = nbformat.read(path, as_version=4)
@@ -217,6 +218,13 @@ def test_notebook_times_reports_errors_and_leaves_the_notebook(tmp_path):
     tiny = script.tiny_notebook(tmp_path)  # written again, without the failing cell
     late = script.time_notebook(tiny, script.kernel_env(1), budget_s=0)
     assert late["status"] == "ok" and late["within_budget"] is False
+    failing = tmp_path / "failing.ipynb"
+    failing.write_bytes(before)
+    assert script.time_notebook(failing, script.kernel_env(1), store=True)["status"] == "error"
+    assert failing.read_bytes() == before  # --store never writes a run that failed
+    script.time_notebook(tiny, script.kernel_env(1), store=True)
+    stored = nbformat.read(tiny, as_version=4).cells
+    assert stored[2].outputs[0]["text"] == "332833500\n"  # this run's output, stored
 
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "stamp")
