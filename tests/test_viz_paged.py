@@ -50,7 +50,7 @@ def cells(explorer: BlockMapExplorer) -> dict[int, str]:
     """Hover text of every drawn (owned) block, by block id."""
     trace = explorer.figure.data[0]
     out = {}
-    for r, (zrow, trow) in enumerate(zip(trace.z, trace.text)):
+    for r, (zrow, trow) in enumerate(zip(trace.z, trace.customdata)):
         for c, (z, text) in enumerate(zip(zrow, trow)):
             if z is not None:
                 out[r * explorer.per_row + c] = text
@@ -73,6 +73,36 @@ def test_block_map_slider_redraws(engines):
     explorer.slider.value = len(maps)  # the last step frees everything
     assert cells(explorer) == {}
     assert busiest != len(maps)
+
+
+def test_block_map_labels_owners_and_marks_reused_blocks(model):
+    """Every owned block carries its request's number (a static copy shows it without
+    hover), and a "*" once another request held it at an earlier recorded step: C's last
+    block is one of A's, handed out again after A finished."""
+    config = kvlab.EngineConfig(
+        cache="paged", block_size=4, max_model_len=32, kv_budget_tokens=32, record_block_map=True
+    )
+    engine = kvlab.Engine(model, config)
+    ids = list(range(10, 24))
+    a = engine.add_request(ids[:6], kvlab.SamplingParams(2, ignore_eos=True), chat=False)
+    b = engine.add_request(ids[:9], kvlab.SamplingParams(6, ignore_eos=True), chat=False)
+    engine.step()  # A and B's prefill (the map records A's blocks)
+    engine.step()  # a decode: A finishes and frees its blocks
+    c = engine.add_request(ids[:14], kvlab.SamplingParams(2, ignore_eos=True), chat=False)
+    engine.step()  # C's prefill takes one of A's blocks
+    explorer, maps = BlockMapExplorer(engine, blocks_per_row=4), engine.telemetry.block_maps
+    explorer.slider.value = 3
+    labels = [x for row in explorer.figure.data[0].text for x in row]
+    (again,) = explorer.reused[2]
+    assert maps[0][again] == a and maps[2][again] == c and labels[again] == f"{c}*"
+    for block, owner in enumerate(maps[2]):
+        if block != again:
+            assert labels[block] == ("" if owner < 0 else str(owner))
+    assert b in maps[2] and "1 reused" in explorer.figure.layout.title.text
+    explorer.slider.value = 1
+    assert explorer.reused[0] == set() and "*" not in "".join(
+        x for row in explorer.figure.data[0].text for x in row
+    )
 
 
 def test_block_map_needs_recorded_maps(model):

@@ -92,7 +92,11 @@ def memory_panels(stats_by_name: dict[str, pd.DataFrame], x: str = "step") -> go
 
 class BlockMapExplorer(App):
     """The physical KV blocks as a grid, coloured by the request owning each (blank =
-    free), with a slider over engine steps. Needs an engine run with record_block_map=True."""
+    free), with a slider over engine steps. Needs an engine run with record_block_map=True.
+
+    Every owned block is labelled with its request's number, and with a "*" when another
+    request held it at an earlier step (freed, then handed out again), so a static copy of
+    the figure (no hover) still shows who owns what and where blocks were reused."""
 
     def __init__(self, engine: Engine, blocks_per_row: int = 32):
         self.maps = engine.telemetry.block_maps
@@ -102,6 +106,7 @@ class BlockMapExplorer(App):
                 "EngineConfig(record_block_map=True) first"
             )
         self.stats = engine.stats()
+        self.reused = _reused(self.maps)  # per step: blocks another request held before
         self.num_blocks, self.per_row = len(self.maps[0]), min(blocks_per_row, len(self.maps[0]))
         self.rows = ceil_div(self.num_blocks, self.per_row)
         busiest = int(self.stats["blocks_used"].idxmax()) + 1
@@ -118,7 +123,9 @@ class BlockMapExplorer(App):
                 showscale=False,
                 xgap=1,
                 ygap=1,
-                hovertemplate="%{text}<extra></extra>",
+                hovertemplate="%{customdata}<extra></extra>",
+                texttemplate="%{text}",
+                textfont=dict(size=9, color="white"),
             ),
             layout=go.Layout(
                 height=max(160, 26 * self.rows + 90),
@@ -131,28 +138,50 @@ class BlockMapExplorer(App):
         self.slider.observe(lambda _change: self.refresh(), names="value")
         self.refresh()
 
-    def grid(self, step: int) -> tuple[list[list[float | None]], list[list[str]]]:
-        """Colour index (None = free) and hover text of every block after `step` (1-based)."""
-        owners = self.maps[step - 1]
+    def grid(self, step: int) -> tuple[list[list[float | None]], list[list[str]], list[list[str]]]:
+        """Colour index (None = free), hover text and cell label of every block after
+        `step` (1-based); the label is the owner's number, "*" when the block is reused."""
+        owners, reused = self.maps[step - 1], self.reused[step - 1]
         z: list[list[float | None]] = [[None] * self.per_row for _ in range(self.rows)]
         text = [[""] * self.per_row for _ in range(self.rows)]
+        label = [[""] * self.per_row for _ in range(self.rows)]
         for block, owner in enumerate(owners):
             r, c = divmod(block, self.per_row)
             z[r][c] = None if owner < 0 else owner % len(PALETTE)
             text[r][c] = f"block {block}<br>" + (f"request {owner}" if owner >= 0 else "free")
-        return z, text
+            if owner >= 0:
+                again = block in reused
+                label[r][c] = f"{owner}*" if again else str(owner)
+                text[r][c] += " (reused: another request held it before)" if again else ""
+        return z, text, label
 
     def refresh(self) -> None:
         """Redraw the map at the slider's step."""
         step = self.slider.value
-        z, text = self.grid(step)
+        z, text, label = self.grid(step)
         row = self.stats.iloc[step - 1]
         with self.figure.batch_update():
-            self.figure.data[0].z, self.figure.data[0].text = z, text
+            trace = self.figure.data[0]
+            trace.z, trace.customdata, trace.text = z, text, label
             self.figure.layout.title = (
                 f"step {step} ({row['phase']}): {row['blocks_used']} of {self.num_blocks} "
-                f"blocks used, {row['running']} running, {row['waiting']} waiting"
+                f"blocks used, {row['running']} running, {row['waiting']} waiting, "
+                f"{len(self.reused[step - 1])} reused<br><sup>a cell is a block, labelled "
+                "with the request that owns it; *: another request held it before; grey: "
+                "free</sup>"
             )
+
+
+def _reused(maps: list[list[int]]) -> list[set[int]]:
+    """Per step, the owned blocks that some other request owned at an earlier step."""
+    held_by: dict[int, set[int]] = {}  # block -> every request that has owned it so far
+    out = []
+    for owners in maps:
+        for block, owner in enumerate(owners):
+            if owner >= 0:
+                held_by.setdefault(block, set()).add(owner)
+        out.append({b for b, owner in enumerate(owners) if owner >= 0 and len(held_by[b]) > 1})
+    return out
 
 
 class BlockSizeExplorer(App):
