@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -18,6 +18,9 @@
 #
 # *Engine files shown here:* `kernels/decode_attention.py`, `kernels/cache_write.py`,
 # `kernels/kv_codes.py`, `kernels/dispatch.py`, `kvlab/model/kernel_attention.py`.
+#
+# *Lesson plan (50 min):* sections 1-4 with their three "check yourself" cells; on a
+# GPU, section 4 measures the kernel live instead of the CPU's reference.
 #
 # Every decode step reads **the whole KV cache** of every running sequence to produce one
 # token per sequence. That makes decode attention *memory-bound*: its speed is the speed
@@ -53,9 +56,11 @@ if device == "cpu":
 import pandas as pd  # noqa: E402
 import plotly.io as pio  # noqa: E402
 from kvlab.kernels import bench  # noqa: E402
+from kvlab.kernels.decode_attention import _decode_kernel  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import kernels  # noqa: E402
+from kvlab.course import ask, show_source  # noqa: E402
 from kvlab.model.kernel_attention import KernelAttention  # noqa: E402
 from kvlab.viz.kernels import block_walk_figure, roofline_figure  # noqa: E402
 
@@ -84,10 +89,18 @@ print(f"arithmetic intensity: {flops_per_token / bytes_per_token:.1f} FLOP/byte"
 
 # %% [markdown]
 # A GPU like the H200 does ~200 bf16 FLOP in the time it reads one byte from memory, so
-# at 3 FLOP/byte the arithmetic units idle and **bandwidth is the whole story**. The
+# at 3.0<!-- out --> FLOP/byte the arithmetic units idle and **bandwidth is the whole story**. The
 # kernel's goal is to stream K/V at close to the memory's copy bandwidth. Halving the
 # bytes per token (int8 or fp8 K/V plus a small scale) roughly halves decode attention's
 # time, if the dequantization happens inside the kernel and not in a separate pass.
+#
+# **Check yourself.** With int8 K/V (1 byte per element, plus a 2-byte bf16 scale per
+# token per KV head, for K and for V), what is the arithmetic intensity in FLOP per byte?
+# Write a line of Python from `heads`, `kv_heads` and `head_dim`.
+
+# %%
+my_int8_intensity = None  # your answer: FLOP per byte, or a line of Python computing it
+ask("06.int8-intensity", my_int8_intensity, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
 
 # %% [markdown]
 # ## 2 · How the kernel walks the block table
@@ -96,21 +109,32 @@ print(f"arithmetic intensity: {flops_per_token / bytes_per_token:.1f} FLOP/byte"
 # shared pool, in whatever order the allocator handed them out. The kernel never gathers
 # them into a contiguous copy: each program (one per **sequence × kv head × split**)
 # steps through its part of the context in **tiles** of positions, and for each position
-# *p* computes
-#
-# ```
-# block = block_table[seq, p // block_size]      # logical block -> physical block
-# slot  = block * block_size + p % block_size    # the row of the pool it loads
-# ```
-#
-# `kernels.walk` is that arithmetic in plain Python. Below: two sequences with 10 and 6
-# tokens, blocks of 4 slots, tiles of 4 positions, and the context cut into 2 splits (the
-# split-K trick of section 3).
+# *p* looks up its **physical block** in the sequence's block table and the **slot** (the
+# row of the pool) it loads. The torch reference does the same arithmetic for every
+# position at once (it then gathers the slots into a dense copy, which the kernel never
+# makes):
+
+# %%
+show_source(kernels.paged_decode_attention_ref, "pos = torch.arange", "slots = torch.where")
+
+# %% [markdown]
+# `kernels.walk` is that arithmetic in plain Python, one row per position. Below: two
+# sequences with 10 and 6 tokens (block tables `[5, 2, 7]` and `[1, 6]`), blocks of 4
+# slots, tiles of 4 positions, and the context cut into 2 splits (the split-K trick
+# below). Sequence 0's rows:
 
 # %%
 tables, lens = [[5, 2, 7], [1, 6]], [10, 6]
 walked = pd.DataFrame(kernels.walk(tables, lens, block_size=4, tile=4, num_splits=2))
 print(walked[walked.seq == 0].to_string(index=False))
+
+# %% [markdown]
+# **Check yourself.** Now sequence 1 (block table `[1, 6]`, 6 tokens): fill in the slot
+# the kernel reads for each of its positions 0-5, as a list, before the figure shows it.
+
+# %%
+my_slots = None  # your answer: a list of 6 slot numbers
+ask("06.slots", my_slots, tables=tables, lens=lens, block_size=4)
 
 # %%
 block_walk_figure(tables, lens, block_size=4, tile=4, num_splits=2, num_blocks=8)
@@ -123,6 +147,15 @@ block_walk_figure(tables, lens, block_size=4, tile=4, num_splits=2, num_blocks=8
 # last block is partly filled: the kernel masks positions past the context length, so the
 # empty slots are never read. Blocks 0, 3 and 4 belong to nobody.
 #
+# The kernel's loop over its tiles is the whole algorithm: the block table walk (the
+# first four lines), the scores against K, the online softmax (`m`, `alpha`, `total`) and
+# the weighted sum of V, with int8/fp8 scales multiplied into the scores and the
+# probabilities (`_load_factor`). From kvlab's Triton source:
+
+# %%
+show_source(_decode_kernel.fn, "for tile_start in range", "m = m_new")
+
+# %% [markdown]
 # Three more ideas make the kernel fast, all in `kernels/decode_attention.py`:
 #
 # * **GQA**: the program for kv head *h* serves all `heads // kv_heads` query heads that
@@ -191,7 +224,8 @@ print(checks.to_string(index=False))
 # block table is read off the step's metadata. Below, SmolLM2 with **int8 K/V**: the
 # kernel reads the int8 codes and their scales straight from the pool, and greedy
 # decoding gives the same tokens as the torch path, which dequantizes a gathered copy.
-# (On a CPU each layer's kernel call is interpreted, ~0.2 s: hence only 4 new tokens.)
+# (On a CPU every kernel call, one per layer per decode step, runs in Triton's numpy
+# interpreter: hence only 4 new tokens.)
 
 # %%
 prompt, params = "What is the capital of France?", kvlab.SamplingParams(max_new_tokens=4)
@@ -219,8 +253,9 @@ for kv_codec in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
 # If decode attention runs at the memory's speed, its time is *bytes / bandwidth*: on a
 # log-log plot of time against the bytes a call must read, the points sit on a line of
 # slope 1, the **copy-bandwidth roofline** (measured by copying a large tensor). Points
-# above the line are slower than memory allows; small calls sit above it because launch
-# overheads dominate.
+# above the line are slower than memory allows; small calls sit furthest above it,
+# because a fixed cost per call (a kernel launch on a GPU, torch's dispatch of each op on
+# a CPU) outweighs their few bytes.
 #
 # On a GPU this cell measures the Triton kernel live (SmolLM2's layer shape, bf16, and
 # int8 K/V). Without one it plots the results `benchmarks/gpu_check.py` committed from a
@@ -294,21 +329,72 @@ else:
                 )
     points, title = pd.DataFrame(rows), "decode attention's torch reference, live on this CPU"
 points = points.assign(frac_of_copy=points["bytes"] / points["ms"] / 1e6 / copy["gb_s"])
+print(f"copy bandwidth: {copy['gb_s']:.2f} GB/s (bytes read + written by one large copy)")
 roofline_figure(points, copy["gb_s"], title)
+
+# %% [markdown]
+# The roofline is only as good as the copy bandwidth under it, and that figure belongs to
+# the machine and the moment: how many memory channels the CPU (or the VM's share of it)
+# has, how many threads the copy uses, and what else competes for the memory bus while it
+# runs. The stored run measured 16.89<!-- out --> GB/s on a shared 2-core VM (AMD EPYC;
+# its load average is printed at the end of this notebook). An earlier stored run of this
+# notebook on the same VM, while other jobs kept it busy, measured 3.99 GB/s: the same
+# copy at a quarter of the speed, and every "fraction of the copy bandwidth" below would
+# move with it. Quote a roofline with its machine and its load. Three more copies now,
+# to see how much the figure varies from one moment to the next:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if device == "cpu":
+    again = [bench.copy_bandwidth(device, 64 << 20, reps=5)["gb_s"] for _ in range(3)]
+    print("copy bandwidth, three more measurements:", ", ".join(f"{x:.2f}" for x in again))
+
+# %% [markdown]
+# **Check yourself.** The largest call measured above (context and batch printed below)
+# must read `bytes_read` bytes. At the copy bandwidth the roofline uses, what is the least
+# time it can take, in ms?
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+largest = points.loc[points["bytes"].idxmax()]
+bytes_read, copy_gb_s = int(largest["bytes"]), copy["gb_s"]
+print(f"{largest['series']}, context {largest['context']}, batch {largest['batch']}: "
+      f"{bytes_read:,} bytes, {copy_gb_s:.2f} GB/s")  # fmt: skip
+
+# %%
+my_least_ms = None  # your answer in ms, or a line of Python computing it
+ask("06.least-time", my_least_ms, bytes_read=bytes_read, copy_gb_s=copy_gb_s)
 
 # %% [markdown]
 # The fraction of the copy bandwidth each point reaches (1.0 = on the roofline):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-points.pivot_table(index=["series", "context"], columns="batch", values="frac_of_copy").round(2)
+fractions = points.pivot_table(index=["series", "context"], columns="batch", values="frac_of_copy")
+print(fractions.round(2).to_string())
+print(f"best fraction of the copy bandwidth: {points['frac_of_copy'].max():.2f}")
 
 # %% [markdown]
-# On a CPU the reference is far below the roofline: it gathers K/V into a dense copy,
-# dequantizes it into yet another copy, and makes the fp32 softmax tensors, so it moves
-# several times the bytes counted here. The Triton kernel reads each byte once; on a GPU
-# (run `python benchmarks/gpu_check.py`) large batches and long contexts should get close
-# to the line, and int8/fp8 K/V should halve the time of bf16 at the same context.
+# On a CPU the reference's points sit far above the roofline, at a few hundredths of
+# the copy bandwidth at best (the best fraction is printed above): it gathers K/V into a
+# dense copy, dequantizes it into yet another copy, and makes the fp32 softmax tensors,
+# so it moves several times the bytes counted here, and each call pays torch's fixed
+# cost per op. The Triton kernel reads each byte once; on a GPU (run
+# `python benchmarks/gpu_check.py`) large batches and long contexts should get close to
+# the line, and int8/fp8 K/V should halve the time of bf16 at the same context.
+
+# %% [markdown]
+# > **Summary.**
+# > * Decode attention reads every cached K/V byte once per step for a few FLOP per byte
+# >   (3 in bf16, under 6 with int8): it is memory-bound, and its speed limit is the
+# >   memory's copy bandwidth.
+# > * The kernel walks the block table itself: position *p* reads slot
+# >   `table[p // block_size] * block_size + p % block_size`, with no gathered copy; GQA,
+# >   online softmax and split-K make each byte count once.
+# > * int8/fp8 codes are read as they are stored and their scales multiplied into scores
+# >   and probabilities: no dequantized copy, and the same tokens as the torch path.
+# > * A roofline is relative to the copy bandwidth measured under it, which depends on
+# >   the machine and on what else runs: quote it with both.
 #
 # ## What to try next
 #
@@ -321,8 +407,11 @@ points.pivot_table(index=["series", "context"], columns="batch", values="frac_of
 #   copy bandwidth over context lengths and batch sizes, and the engine against HF
 #   `generate`; its JSON lands in `benchmarks/results/`, where this notebook picks it up.
 #
-# The stored outputs of this notebook come from the machine below.
+# The stored outputs of this notebook come from the machine below (a 2-core CPU unless it
+# says otherwise), with its load average when the run ended.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {device}")
+machine = platform.processor() or platform.machine()
+print(f"{machine}, {os.cpu_count()} cores, torch on {torch.get_num_threads()} threads, {device}")
+print("load average (1, 5, 15 min):", ", ".join(f"{x:.2f}" for x in os.getloadavg()))

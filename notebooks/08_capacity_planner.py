@@ -7,7 +7,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 # ---
 
 # %% [markdown]
@@ -45,6 +45,7 @@ import plotly.io as pio
 import torch
 
 import kvlab
+from kvlab.course import ask, show_source
 from kvlab.experiments.capacity_check import check_against_engine
 from kvlab.planner import (
     MODELS,
@@ -54,6 +55,7 @@ from kvlab.planner import (
     gqa_vs_mha,
     kv_bytes_per_token,
     plan,
+    rank_shape,
     weight_bytes,
 )
 from kvlab.units import GiB
@@ -85,10 +87,31 @@ print("                   ", f"{sum(p.numel() for p in model.hf_model.parameters
 # %% [markdown]
 # ## 2 · Five well-known models on one 80 GiB accelerator
 #
-# Weights and KV in bf16, 90 % of memory usable (vLLM's default `gpu_memory_utilization`),
-# activations estimated for a 4,096-token step. "paged @ 4k" is how many 4,096-token
-# sequences fit; "naive" is how many fit when each reserves the model's whole context
-# window, as a naive cache must.
+# The planner's whole arithmetic is a dozen lines of `plan()`: the memory the server may
+# use, less the weights and one step's activations, is the KV budget; divided by a token's
+# KV bytes it gives token slots, and a sequence takes whole blocks of them. (`rank` is
+# what one device holds: the whole model unless it is split over devices, section 3.)
+
+# %%
+show_source(plan, start="memory_bytes = parse_size", end="per_seq_blocks =")
+
+# %% [markdown]
+# **Check yourself.** Before the table below prints it: how many bytes of KV does one
+# Llama-3-8B token take in bf16? Its shape:
+
+# %%
+llama = ModelShape.from_config("Llama-3-8B")
+print(llama.attention, "|", llama.num_layers, "layers, head_dim", llama.head_dim)
+
+# %%
+my_llama_bytes = None  # your answer, a whole number of bytes
+ask("08.kv-bytes-llama", my_llama_bytes, shape=llama)
+
+# %% [markdown]
+# Now the five models. Weights and KV in bf16, 90 % of memory usable (vLLM's default
+# `gpu_memory_utilization`), activations estimated for a 4,096-token step. "paged @ 4k" is
+# how many 4,096-token sequences fit; "naive" is how many fit when each reserves the
+# model's whole context window, as a naive cache must.
 
 # %%
 rows = {}
@@ -107,12 +130,67 @@ for name in MODELS:
 print(pd.DataFrame.from_dict(rows, orient="index").to_string())
 
 # %% [markdown]
-# Llama-3-70B's 131 GiB of bf16 weights do not fit in 80 GiB at all (no KV left: 0
-# sequences). Qwen2.5-7B keeps only 4 KV heads for 28 query heads, so its KV costs less
-# than half of Llama-3-8B's per token, and its naive column shows what reserving a
-# 131,072-token window per user does.
+# Llama-3-70B's **131.4**<!-- out --> GiB of bf16 weights do not fit in 80 GiB at all (no
+# KV left: 0 sequences; section 3 splits it over several devices). Qwen2.5-7B keeps only 4
+# KV heads for 28 query heads, so its KV costs **57344**<!-- out --> bytes per token, less
+# than half of Llama-3-8B's, and its naive column shows what reserving a whole
+# 131072<!-- out -->-token window per user does: 8<!-- out --> sequences where paging fits
+# 261<!-- out -->.
 #
-# ## 3 · One plan, read line by line
+# ## 3 · Past one device: tensor parallelism
+#
+# A model too big for one device is split over several. Tensor parallelism (vLLM's
+# `tensor_parallel_size`) splits every layer: each of the tp devices holds 1/tp of the
+# weights, computes its share of the query heads, and stores, for **every** token, the K
+# and V of its share of the KV heads. So the KV per token per device is the model's
+# divided by tp, until there are more devices than KV heads: then vLLM gives each device
+# one KV head, replicated (`max(1, kv_heads // tp)` in `ModelConfig.get_num_kv_heads`,
+# [vllm/config/model.py](https://github.com/vllm-project/vllm/blob/main/vllm/config/model.py);
+# the split itself is `QKVParallelLinear` in
+# [vllm/model_executor/layers/linear.py](https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/layers/linear.py)).
+# `plan(..., tensor_parallel_size=tp)` plans one device of tp; `rank_shape` is what it
+# holds:
+
+# %%
+show_source(rank_shape, start="heads, kv = ", end="intermediate_size=")
+
+# %% [markdown]
+# **Check yourself.** Llama-3-70B has 80 layers and 8 KV heads of 128. Split over 4
+# devices, how many bytes of KV does **each device** store per token, in bf16?
+
+# %%
+seventy = ModelShape.from_config("Llama-3-70B")
+my_tp_bytes = None  # your answer, a whole number of bytes
+ask("08.tp-kv-bytes", my_tp_bytes, shape=seventy, tensor_parallel_size=4)
+
+# %% [markdown]
+# The same 70B model on 1 to 16 devices of 80 GiB each, every figure per device:
+
+# %%
+rows = {}
+for tp in (1, 2, 4, 8, 16):
+    q = plan("Llama-3-70B", memory="80GiB", context_len=4096, tensor_parallel_size=tp)
+    rows[tp] = {
+        "weights GiB/device": round(q.weight_bytes / GiB, 1),
+        "KV heads/device": q.kv_heads_per_rank or seventy.num_kv_heads,
+        "KV bytes/token/device": q.kv_bytes_per_token,
+        "KV tokens": q.kv_tokens,
+        "paged @ 4k": q.paged_max_seqs,
+    }
+print(pd.DataFrame.from_dict(rows, orient="index").rename_axis("devices").to_string())
+
+# %% [markdown]
+# Two devices fit the weights with little room left for KV (8<!-- out --> sequences of
+# 4,096 tokens); four leave more than half of each device's usable memory for KV, and each
+# token's K/V there is a quarter of the model's: 123<!-- out --> sequences. At 8 devices
+# each holds one KV head; at 16 that head is replicated on two devices, so the KV per
+# token per device stays at 40960<!-- out --> bytes: the extra devices add room (their
+# weight shard shrinks) but store the same heads twice. What the plan leaves out: the
+# all-reduce traffic between devices at every layer (notebook 12), the norms every device
+# keeps whole (a sliver), and activations, which this estimate splits with the heads and
+# the MLP.
+#
+# ## 4 · One plan, read line by line
 #
 # Llama-3-8B on a 24 GiB card, 32 users at 4,096 tokens each:
 
@@ -124,7 +202,6 @@ print(p.summary())
 # Each term, from its function, so nothing is hidden:
 
 # %%
-llama = ModelShape.from_config("Llama-3-8B")
 w = weight_bytes(llama, "bf16")
 a = activation_bytes(llama, "bf16", max_num_batched_tokens=4096, max_num_seqs=256)
 kv_budget = int(24 * GiB * 0.9) - w - a
@@ -138,21 +215,22 @@ print(f"sequences   {tokens // 16 // 256:>15,}        = {tokens // 16:,} blocks 
 assert tokens // 16 // 256 == p.paged_max_seqs
 
 # %% [markdown]
-# ## 4 · GQA vs MHA
+# ## 5 · GQA vs MHA
 #
 # Grouped-query attention is a capacity feature: the same model with one KV head per
-# query head (multi-head attention, as in Llama 2 7B) would store 4× the KV per token,
-# and so fit 4× fewer sequences in the same memory:
+# query head (multi-head attention, as in Llama 2 7B) stores 4× the KV per token, and so
+# fits about 4× fewer sequences in the same memory (56<!-- out --> against
+# 13<!-- out --> at 8,192 tokens; its extra K/V weights take a little more memory too):
 
 # %%
 print(gqa_vs_mha("Llama-3-8B", memory="80GiB", context_len=8192).to_string())
 
 # %% [markdown]
-# ## 5 · Quantized KV
+# ## 6 · Quantized KV
 #
 # Storing K/V in 8 bits (with a bf16 scale per token per head) halves the bytes per
 # token; 4 bits and KIVI's 2 bits go further. The scales count, as kvlab's codecs count
-# them, so int8 is not exactly half:
+# them, so int8 is not exactly half (**66560**<!-- out --> bytes, not 65,536):
 
 # %%
 rows = {}
@@ -162,7 +240,7 @@ for kv in ("bf16", "fp8_e4m3", "int8", "int4", "kivi2"):
 print(pd.DataFrame.from_dict(rows, orient="index").to_string())
 
 # %% [markdown]
-# ## 6 · Capacity against context length
+# ## 7 · Capacity against context length
 #
 # The paged line halves as the context doubles; the naive line is flat, because it always
 # reserves the whole window; the MHA line is the paged one divided by 4. Where the paged
@@ -174,7 +252,7 @@ curve = capacity_curve("Llama-3-8B", memory="80GiB")
 print(curve.to_string(index=False))
 
 # %% [markdown]
-# ## 7 · The planner app
+# ## 8 · The planner app
 #
 # Pick a model, the accelerator's memory, the dtypes, the context, the block size and
 # the number of users; both panels follow at once. Left: max concurrent sequences
@@ -200,7 +278,7 @@ app.memory.value = 80
 print("on 80 GiB:", app.plan.paged_max_seqs, "sequences;", app.figure.layout.title.text)
 
 # %% [markdown]
-# ## 8 · The check: planner vs the live engine
+# ## 9 · The check: planner vs the live engine
 #
 # A plan is only useful if it is right. Take the embedded model on an imaginary
 # accelerator with exactly enough memory for its fp32 weights, its activations and
@@ -247,20 +325,42 @@ assert checks["paged"].predicted == tiny.paged_max_seqs
 assert checks["naive"].predicted == tiny.naive_max_seqs
 
 # %% [markdown]
+# Predicted and measured agree exactly: 6<!-- out --> paged sequences, 3<!-- out -->
+# naive and 11<!-- out --> with int8 on half the bytes (error **+0.0%**<!-- out --> each).
 # The planner's arithmetic is the engine's arithmetic: bytes per token (scales included),
 # whole blocks per sequence, and, for the naive cache, a whole `max_model_len` region per
 # sequence. On a real GPU the fuzzy terms are the others: activations (this estimate
 # assumes flash attention and counts one step's temporaries), the CUDA context and
 # allocator fragmentation, which `utilization` leaves room for.
 #
+# **Check yourself.** Whole blocks cost slots: a sequence's last block is partly empty
+# (internal fragmentation). With `block_size` = 256, how many token slots does a
+# 300-token sequence hold that it never writes? Compute it in code.
+
+# %%
+my_waste = None  # your answer: an expression of 300 and 256
+ask("08.block-waste", my_waste, context_len=300, block_size=256)
+
+# %% [markdown]
+# > **Summary.**
+# > * KV bytes per token = 2 × layers × KV heads × head_dim × bytes per element (+ a
+# >   codec's scales); the KV budget is memory × utilization − weights − activations.
+# > * A paged cache runs ⌊blocks / ⌈context / block_size⌉⌋ sequences; a naive one
+# >   ⌊tokens / max_model_len⌋, whatever the sequences' length.
+# > * GQA, quantized KV and tensor parallelism buy sequences by shrinking the bytes per
+# >   token each device stores; TP also splits the weights, the only way a 70B model fits
+# >   80 GiB devices.
+# > * On the embedded model, the planner's prediction is the engine's measured peak.
+#
 # ## What to try next
 #
 # * Plan your own model: `plan("path/to/config.json", memory="48GiB", ...)`, or
-#   `kvlab plan --model path/to/config.json --memory 48GiB --context 8192 --users 64`.
-# * In the app, set the block size to 256 at a 300-token context: every sequence takes
-#   two blocks and wastes 212 slots. Where does it stop mattering?
+#   `kvlab plan --model path/to/config.json --memory 48GiB --context 8192 --users 64
+#   --tensor-parallel-size 2`.
+# * In the app, set the block size to 256 and the context to 300, then 512: when does a
+#   big block stop costing sequences?
 # * Compare `weight_dtype="int4"` with `kv_codec="int4"` for Llama-3-70B on 80 GiB:
-#   which one makes room for users?
+#   which one makes room for users? And `tensor_parallel_size=2` with int8 KV?
 # * Notebook 07 measures the same designs side by side on a real workload.
 
 # %%
