@@ -19,7 +19,8 @@
 #
 # *Engine files shown here:* `kvlab/cache/paged.py` (block tables, admission),
 # `kvlab/cache/allocator.py` (free list, ref counts), `kvlab/cache/naive.py`,
-# `kvlab/model/metadata.py` (slot mapping), `kvlab/viz/paged.py`.
+# `kvlab/model/metadata.py` (slot mapping), `kvlab/viz/paged.py`,
+# `kvlab/experiments/fragmentation.py` (waste by kind, a first-fit contiguous allocator).
 #
 # Notebook 01 ended with the naive cache: every request reserves a buffer for the longest
 # sequence it could ever reach (`max_model_len`), and most of that buffer is never written.
@@ -33,11 +34,12 @@
 #   [arXiv:2309.06180](https://arxiv.org/abs/2309.06180)).
 #
 # and measures, step by step, how many sequences each keeps running, how much memory each
-# reserves, and how much of that is waste; then, under a budget answers outgrow, what each
-# admission policy buys. Then two widgets: a map of the physical blocks
-# over time, and a block-size dial that re-runs the engine live.
+# reserves, and how much of that is waste, by kind (reservation, internal and external
+# fragmentation); then, under a budget answers outgrow, what each admission policy buys.
+# Then two widgets: a map of the physical blocks over time, and a block-size dial that
+# re-runs the engine live.
 #
-# *Lesson plan (50 min):* sections 1-5 and the three "check yourself" cells; section 6's
+# *Lesson plan (50 min):* sections 1-5 and the four "check yourself" cells; section 6's
 # block-size dial, or the lab (`labs/01_block_allocator`), as homework.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
@@ -58,7 +60,15 @@ from kvlab import workloads
 from kvlab.cache.allocator import BlockAllocator
 from kvlab.cache.paged import PagedCache
 from kvlab.course import ask, show_source
+from kvlab.experiments.fragmentation import (
+    ContiguousAllocator,
+    replay_stream,
+    stream_from,
+    trace_waste,
+    waste_by_request,
+)
 from kvlab.model.metadata import build_attention_metadata
+from kvlab.viz.fragmentation import refusal_strip
 from kvlab.viz.paged import BlockMapExplorer, BlockSizeExplorer, memory_panels, occupancy_table
 
 pio.renderers.default = "plotly_mimetype"
@@ -130,10 +140,12 @@ ask("02.paged-slots", my_slots, prompt_tokens=prompt_tokens, block_size=16)
 
 # %% [markdown]
 # Now the real runs. `record_block_map=True` keeps, for every step, which request owns each
-# physical block (for the block map in section 5).
+# physical block (for the block map in section 5). `trace_waste` serves the workload as
+# `engine.run` does and also reads, after every step, each running sequence's written
+# tokens and held slots from the cache (for the kinds of waste in section 4).
 
 # %%
-engines, outputs, seconds = {}, {}, {}
+engines, outputs, traces, seconds = {}, {}, {}, {}
 for name in ("naive", "paged"):
     config = kvlab.EngineConfig(
         cache=name,
@@ -144,7 +156,7 @@ for name in ("naive", "paged"):
     )
     engines[name] = kvlab.Engine(model, config)
     wall, cpu = time.perf_counter(), time.process_time()
-    outputs[name] = engines[name].run(requests, ignore_eos=True)
+    outputs[name], traces[name] = trace_waste(engines[name], requests, ignore_eos=True)
     seconds[name] = (time.perf_counter() - wall, time.process_time() - cpu)
     engines[name].cache.check_integrity()
 stats = {name: engine.stats() for name, engine in engines.items()}
@@ -203,6 +215,116 @@ print("waste <= block_size - 1 slots per sequence:", bool((paged["waste_bytes"] 
 print(
     "most slots ever wasted at once:", int(paged["waste_bytes"].max() // cache.pool.bytes_per_token)
 )
+
+# %% [markdown]
+# ### Three kinds of waste, named
+#
+# The PagedAttention paper ([Kwon et al., §3.1](https://arxiv.org/abs/2309.06180)) finds
+# three sources of waste in systems that give each request one contiguous chunk sized for
+# its maximum length: *reserved* slots for future tokens, *internal fragmentation* (slots
+# over-provisioned for a length the request never reaches) and *external fragmentation*
+# (from the memory allocator, "like the buddy allocator"). Blocks, it says (§1), alleviate internal
+# fragmentation "by using relatively small blocks and allocating them on demand" and
+# eliminate external fragmentation "as all blocks have the same size". In kvlab's terms:
+#
+# * **reservation** (naive): the slots of a sequence's `max_model_len` region beyond what
+#   it has written, the paper's reserved slots (written later) and its internal
+#   fragmentation (never written) together;
+# * **internal fragmentation** (paged): the unwritten tail of a sequence's last block, at
+#   most `block_size − 1` slots (the operating-system sense of the word: space inside an
+#   allocated unit that its owner does not use);
+# * **external fragmentation**: free memory that a request cannot use because it lies in
+#   holes smaller than the request. Neither cache above has any: the naive regions are all
+#   the same size, and the paged cache can use any free block.
+#
+# The runs measured the first two for every sequence after every step. Per request: tokens
+# written after its first step and after the last step it was still running at, and the
+# slots it held unwritten after its first step and at most:
+
+# %%
+by_request = {name: waste_by_request(trace) for name, trace in traces.items()}
+for name, table in by_request.items():
+    print(f"{name} ({table['kind'].iloc[0]}):")
+    print(table.drop(columns="kind").to_string(), end="\n\n")
+first_step = by_request["naive"]["unwritten first"]
+print(f"naive: {first_step.min():,} to {first_step.max():,} slots unwritten after admission")
+print(f"paged: at most {by_request['paged']['unwritten max'].max()} slots unwritten in a tail")
+
+# %% [markdown]
+# A naive region holds 1,472<!-- out --> to 1,591<!-- out --> slots its sequence has not
+# written the moment it is admitted, and answers of 8 to 16 tokens fill almost none of
+# them. A paged sequence never held more than 15<!-- out --> unwritten slots (its tail),
+# whatever its length.
+#
+# External fragmentation needs regions of different sizes. Take a **contiguous** allocator
+# kinder than the naive cache: it gives each request one region sized to its need (prompt
+# + answer, rounded up to 16-slot blocks as the paged cache rounds; it knows each answer's
+# length in advance, which a real server does not), placed by **first fit**, at the
+# lowest-addressed hole that is large enough, and freed when the request finishes:
+
+# %%
+display(show_source(ContiguousAllocator.holes), show_source(ContiguousAllocator.allocate))
+
+# %% [markdown]
+# **Check yourself.** A contiguous first-fit allocator over 32 blocks holds regions
+# `[0, 6)`, `[10, 18)` and `[20, 29)`: holes of 4, 2 and 3 blocks, 9 free. Requests D (3
+# blocks), E (4) and F (2) come in that order, each placed or refused before the next. At
+# what block does each start? Write `None` for a refusal.
+
+# %%
+my_starts = None  # your answer: three start blocks or None, e.g. [0, 6, None]
+ask("02.first-fit", my_starts, capacity=32, regions=[(0, 6), (10, 8), (20, 9)], needs=[3, 4, 2])
+
+# %% [markdown]
+# Now a stream of arriving and finishing requests on the notebook's budget (256 blocks of
+# 16 slots): 24 doc-QA requests with `doc_qa`'s default answers (8-24 tokens, 30 % of them
+# 64-128), sized by the model's tokenizer, arriving as a Poisson process of 0.08 a step
+# (`rate=0.08`, its seconds read as steps); each holds its blocks for `max_new_tokens`
+# steps, one token a step as the engine decodes. No model runs: only the two allocators
+# do. `replay_stream` sends the stream through the contiguous allocator and through kvlab's
+# `BlockAllocator`, each first come first served, each taking a request's whole need when
+# it admits it (as kvlab's `reserve` admission does): until the contiguous one first
+# refuses a request that the free total could hold, both hold the same requests, so that
+# refusal is contiguity's fault alone.
+
+# %%
+arriving = workloads.doc_qa(n=24, seed=0, rate=0.08)
+stream = stream_from(arriving, [len(probe.encode(r.prompt)) for r in arriving], block_size=16)
+replay = replay_stream(stream, num_blocks=256)
+first = replay.first
+print(f"step {first.step}: request {first.request} needs {first.need} blocks")
+print(
+    f"contiguous: {first.free_total} blocks free in holes of "
+    f"{[size for _, size in first.holes]}, the largest {first.largest_hole}: refused"
+)
+print(f"paged, the same free blocks: admitted into blocks {first.paged_runs()} (first, last)")
+
+# %% [markdown]
+# The address range at that step. Top: what the request needs, laid over the largest hole:
+# it runs past the hole's end into the next region. Middle: the contiguous layout, regions
+# and holes. Bottom: the same blocks under the paged allocator, the request's blocks
+# hatched, in both holes. Hover a bar for its blocks.
+
+# %%
+refusal_strip(first, block_size=16).show()
+
+# %% [markdown]
+# Over the whole stream: the steps each allocator needed, the steps in which the
+# contiguous one refused its queue's head while enough blocks were free in total, and the
+# request-steps spent waiting:
+
+# %%
+print(replay.summary().to_string())
+
+# %% [markdown]
+# The free memory was there; it was in the wrong shape. The contiguous allocator refused
+# its queue's head in 103<!-- out --> steps while enough blocks were free in total, and
+# everyone behind a refused head waited too: 973<!-- out --> request-steps of waiting
+# against the paged allocator's 673<!-- out -->. Moving regions together
+# (compaction) would merge the holes at the cost of copying their K/V; the paper (§3.1)
+# finds compaction "impractical" in "a performance-sensitive LLM serving system" "due to the
+# massive KV cache". Paging removes the need: a request's blocks need not be neighbours, so
+# every free block counts.
 
 # %% [markdown]
 # ### What admission buys
@@ -306,12 +428,13 @@ for cache, (wall, cpu) in seconds.items():
 # ## 5 · The block map
 #
 # Each cell below is one physical block of 16 token slots (256 blocks, 32 per row),
-# coloured by the request that owns it; grey cells are free. **Move the slider** through
-# the engine's steps: the first prefill hands out long runs of blocks in order; once
-# requests finish, their blocks return to the free list and the next request's blocks
-# come from wherever they were freed. A request's blocks need not be contiguous: its block
-# table lists them in logical order, and attention reads K/V through it. The slider starts
-# at the step that used the most blocks.
+# coloured by the request that owns it and labelled with its number; grey cells are free.
+# **Move the slider** through the engine's steps: the first prefill hands out long runs of
+# blocks in order; once requests finish, their blocks return to the free list and the next
+# request's blocks come from wherever they were freed: a `*` after the number marks a block
+# another request held at an earlier step (the title counts them). A request's blocks
+# need not be contiguous: its block table lists them in logical order, and attention reads
+# K/V through it. The slider starts at the step that used the most blocks.
 #
 # How attention finds a token's K/V: position *p* of a sequence lives in slot
 # `table[p // block_size] * block_size + p % block_size`. kvlab builds these slots for
@@ -405,6 +528,10 @@ print(sizes.table().to_string())
 # >   paged cache hands out fixed-size blocks as tokens are written, found through a
 # >   per-sequence **block table**, so a sequence wastes at most `block_size − 1` slots
 # >   (the tail of its last block).
+# > * Three kinds of waste: **reservation** (naive: a region beyond what is written),
+# >   **internal fragmentation** (paged: the tail of the last block) and **external
+# >   fragmentation** (a contiguous allocator refusing a request while enough is free in
+# >   total, because no single hole is large enough; paging has none).
 # > * Same budget, same tokens out: the paged cache ran 4<!-- out --> sequences at once
 # >   where the naive one ran 2<!-- out -->, and needed fewer steps.
 # > * The `BlockAllocator` keeps a free list (oldest-freed first) and a reference count

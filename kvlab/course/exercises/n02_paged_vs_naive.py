@@ -1,9 +1,10 @@
-"""Notebook 02's exercises: blocks held, the watermark, and a block table to fill."""
+"""Notebook 02's exercises: blocks held, the watermark, a block table to fill, and first fit."""
 
 from __future__ import annotations
 
 from kvlab.cache.allocator import BlockAllocator
 from kvlab.course.exercise import exercise
+from kvlab.experiments.fragmentation import ContiguousAllocator
 from kvlab.units import ceil_div
 
 
@@ -103,3 +104,40 @@ def block_table(num_blocks: int, block_size: int, prompt_lens: list[int]) -> lis
     for block in reversed(table_a):
         allocator.decref(block)
     return [allocator.allocate() for _ in range(ceil_div(c_len, block_size))]
+
+
+def _first_fit_hint(answer, right) -> str:
+    if not isinstance(answer, (list, tuple)) or len(answer) != len(right):
+        return "three answers in order, one per request: a start block, or None for a refusal."
+    if answer[1] is not None:
+        return (
+            "E needs 4 blocks side by side. After D, list the holes' sizes: is any of them 4 "
+            "long? What they add up to does not count."
+        )
+    if answer[0] != right[0]:
+        return "first fit takes the lowest-addressed hole that is large enough, not the snuggest."
+    return (
+        "D takes the start of its hole and leaves the rest of it free; F takes the first hole of 2."
+    )
+
+
+@exercise(
+    "02.first-fit",
+    question="A contiguous first-fit allocator over 32 blocks holds regions [0, 6), [10, 18) "
+    "and [20, 29): holes of 4, 2 and 3 blocks, 9 free. D needs 3 blocks, then E 4, then F 2, "
+    "each placed (or refused) before the next: at what block does each start (None: refused)?",
+    solution="First fit takes the lowest-addressed hole that is large enough. D (3) takes the "
+    "hole at 6 (4 blocks) and leaves 1 block at 9. E (4) finds holes of 1, 2 and 3 blocks, 6 "
+    "free in total but none of 4: refused (None), external fragmentation. F (2) takes the hole "
+    "at 18. [6, None, 18]; a paged allocator would have given E any 4 of the 6 free blocks.",
+    hint=_first_fit_hint,
+    example=lambda: {"capacity": 32, "regions": [(0, 6), (10, 8), (20, 9)], "needs": [3, 4, 2]},
+    wrong=lambda right: [None if start is None else start + 1 for start in right],
+)
+def first_fit(capacity: int, regions: list[tuple[int, int]], needs: list[int]) -> list[int | None]:
+    """kvlab.experiments.fragmentation.ContiguousAllocator holding `regions` (start, size),
+    asked for `needs` in order."""
+    layout = ContiguousAllocator(capacity)
+    layout.regions = dict(enumerate(regions))
+    layout.check_integrity()
+    return [layout.allocate(len(regions) + i, need) for i, need in enumerate(needs)]
