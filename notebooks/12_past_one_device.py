@@ -14,8 +14,8 @@
 # # 12 · Past one device: tensor-parallel KV and disaggregated prefill/decode
 #
 # *Engine files shown here:* `kvlab/parallel/` (`shard.py`, `runner.py`, `pool.py`,
-# `worker.py`), `kvlab/disagg/` (`prefill.py`, `connector.py`, `transfer.py`, `pair.py`),
-# `kvlab/experiments/tensor_parallel.py`, `kvlab/experiments/disagg.py`,
+# `worker.py`), `kvlab/disagg/` (`prefill.py`, `connector.py`, `transfer.py`, `pair.py`,
+# `routing.py`), `kvlab/experiments/tensor_parallel.py`, `kvlab/experiments/disagg.py`,
 # `kvlab/viz/parallel.py`.
 #
 # KV leaves a single device in two ways. Under **tensor parallelism** the model's heads
@@ -45,9 +45,10 @@ import kvlab
 from kvlab import texts
 from kvlab.course import ask, show_source
 from kvlab.disagg.pair import Disaggregated
+from kvlab.disagg.routing import least_loaded
 from kvlab.experiments import disagg, tensor_parallel
 from kvlab.parallel.shard import kv_head_range, kv_heads_per_rank
-from kvlab.viz.parallel import kv_per_rank_figure, latency_figure
+from kvlab.viz.parallel import kv_per_rank_figure, latency_figure, pool_figure
 
 pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
@@ -133,22 +134,42 @@ print(table[["startup_s", "decode_tok_per_s"]].to_string())
 # **Colocated**, each long prefill is a step every running decode waits for (chunked
 # prefill splits it into smaller stalls). **Disaggregated**, a second process (one torch
 # thread) prefills every prompt; the decode engine (this process, two threads) admits the
-# finished KV as it would swap a preempted request back in. The greedy tokens must be the
-# same in all three setups, and the bytes moved exactly the prompts' KV bytes:
+# finished KV as it would swap a preempted request back in. The same run is then repeated
+# with a *decode pool* of two decode engines behind the one prefill engine (1P:2D, the
+# end of this section). The greedy tokens must be the same in all four setups, no KV
+# block may stay held on any engine afterwards (the experiment checks every cache), and
+# the bytes moved must be exactly the prompts' KV bytes:
 
 # %%
 trace = disagg.interference_trace(n_chat=4, n_long=2, chat_tokens=CHAT_TOKENS, long_tokens=4,
                                   gap_s=GAP_S, long_chars=LONG_CHARS)  # fmt: skip
-setups = disagg.colocated_vs_disaggregated(model, trace)
-bytes_moved = setups["disaggregated"]["bytes_moved"]
-per_token = rows[1]["kv_bytes_per_token_per_rank"]  # one engine's KV bytes per token
+setups = disagg.colocated_vs_disaggregated(model, trace, decode_engines=(1, 2))
+pair_row, pool_row = setups["disaggregated"], setups["disaggregated 1P:2D"]
+bytes_moved, prompt_tokens = pair_row["bytes_moved"], pair_row["prompt_tokens_moved"]
 print({name: row["identical_to_colocated"] for name, row in setups.items()})
-print("transfers rejected:", setups["disaggregated"]["transfers_rejected"])
-print(f"KV bytes moved: {bytes_moved:,} = {bytes_moved // per_token} prompt tokens "
-      f"x {per_token:,} bytes")  # fmt: skip
+print("transfers rejected:", pair_row["transfers_rejected"], pool_row["transfers_rejected"])
+print(f"KV bytes moved: {bytes_moved:,} for {prompt_tokens} prompt tokens (1P:2D: "
+      f"{pool_row['bytes_moved']:,} for {pool_row['prompt_tokens_moved']})")  # fmt: skip
 
 # %% [markdown]
-# What the decode side does with a transfer when it arrives: the consumer connector
+# Per prompt token, the transfers carry exactly the model's KV: K and V, for every layer
+# and KV head, at the cache's dtype (float32 on this CPU). Measured from the transfers and
+# computed from the model's config, the two must agree:
+
+# %%
+moved_per_token = bytes_moved // prompt_tokens  # measured: what the transfers carried
+dtype_bytes = model.hf_model.dtype.itemsize
+head_dim = cfg.hidden_size // cfg.num_attention_heads
+model_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype_bytes
+assert bytes_moved == prompt_tokens * moved_per_token and moved_per_token == model_per_token
+assert moved_per_token == rows[1]["kv_bytes_per_token_per_rank"]  # tp = 1's pool agrees
+print(f"KV bytes per prompt token moved: {moved_per_token:,} = 2 (K, V) x "
+      f"{cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x {head_dim} "
+      f"dims x {dtype_bytes} bytes")  # fmt: skip
+
+# %% [markdown]
+# What the decode side does with a transfer when it arrives: `_route` picks the decode
+# engine that takes it (with one decode engine, that one), whose consumer connector
 # checks it (its checksum, and exactly the prompt's KV bytes); a bad one is dropped and
 # the request recomputed from its prompt, never decoded on bad KV. An intact one brings
 # the first token the prefill engine sampled, and the request joins the scheduler as an
@@ -169,8 +190,8 @@ ask("12.transfer-ms", my_transfer_ms, bytes_moved=bytes_moved)
 
 # %% [markdown]
 # The latencies and throughput, measured on this machine (they vary from run to run;
-# `prefill steps s` is the wall time of the steps that prefilled in the engine that
-# decodes, which every running decode waited for):
+# `prefill steps s` is the wall time of the steps that prefilled in the engines that
+# decode, which every running decode waited for):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -185,9 +206,6 @@ print(
     f"ITL p50 {dis['itl p50'] / co['itl p50']:.2f}x, tok/s {dis['tok/s'] / co['tok/s']:.2f}x"
 )
 print("load average (1, 5, 15 min) at the end:", os.getloadavg(), "on", os.cpu_count(), "cores")
-for gbps in (25, 100):
-    print(f"the {bytes_moved:,} bytes at {gbps} GB/s: {bytes_moved / gbps / 1e6:.2f} ms "
-          f"(colocated's prefill steps: {co['prefill steps s'] * 1e3:.0f} ms)")  # fmt: skip
 latency_figure(setups).show()
 
 # %% [markdown]
@@ -195,12 +213,36 @@ latency_figure(setups).show()
 # step with a long prefill waits for the whole prefill (the `prefill steps s` column is
 # the time every running decode spent waiting so), and that wait is its tail latency;
 # chunked prefill cuts the wait into smaller pieces. Disaggregated, no step of the decode
-# engine holds a prefill (0 s), and its ITL p99 falls to 0.21x<!-- out --> of
-# colocated's. The KV it receives instead costs little to move: well under a millisecond
-# at network speeds, against seconds of prefill on this CPU (on a GPU a prefill of a few
-# hundred tokens takes milliseconds, and then the link's time counts).
+# engine holds a prefill (0 s), and its ITL p99 falls to 0.42x<!-- out --> of
+# colocated's.
 #
-# Throughput is another matter. Here disaggregated's tok/s is 1.16x<!-- out --> of
+# The KV it receives instead has to cross a link. Here is what the measured bytes would
+# take at 25 GB/s (a 200 Gb/s NIC) and 100 GB/s (an 800 Gb/s one), next to the prefill
+# engine's own measured step time for the same prompts (each step counted once, though
+# one step may finish several prompts):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+link = pd.DataFrame({"prompt tokens": prompt_tokens, "KV bytes": bytes_moved,
+                     "ms at 25 GB/s": disagg.link_ms(bytes_moved, 25),
+                     "ms at 100 GB/s": disagg.link_ms(bytes_moved, 100),
+                     "prefill ms (measured)": pair_row["prefill_engine_s"] * 1e3,
+                     "prefill steps": pair_row["prefill_engine_steps"]},
+                    index=["1P:1D"])  # fmt: skip
+print(link.round(2).to_string())
+ratio = link["prefill ms (measured)"].iloc[0] / link["ms at 25 GB/s"].iloc[0]
+print(f"measured prefill / link time at 25 GB/s: {ratio:,.0f}x")
+
+# %% [markdown]
+# The link would take under a millisecond (0.86<!-- out --> ms at 25 GB/s), and the
+# prefill of the same prompts took seconds on this CPU, thousands of times longer
+# (8,485x<!-- out --> in this run, on a machine shared with other work): here moving the
+# KV is nearly free. On a GPU the same prefill takes milliseconds, and then the link's
+# time is no longer small beside it; for larger models the KV per token grows too (vLLM's
+# connectors save and load it layer by layer inside the forward, so that each layer's
+# transfer overlaps compute).
+#
+# Throughput is another matter. Here disaggregated's tok/s is 1.10x<!-- out --> of
 # colocated's. vLLM's docs say it plainly: "Disaggregated prefill DOES NOT improve
 # throughput" ([vLLM: disaggregated prefilling](https://docs.vllm.ai/en/latest/features/disagg_prefill/));
 # it buys the tuning of time to first token and inter-token latency separately, and
@@ -216,6 +258,66 @@ latency_figure(setups).show()
 # throughput: that needs the same devices given to both arrangements, such as two
 # colocated engines against one prefill and one decode engine, each on devices of its
 # own.
+#
+# ### A decode pool: one prefill engine, two decode engines
+#
+# One prefill engine can feed several decode engines: a prompt's prefill is one heavy
+# step, its decode a long run of light ones, so deployments size the two sides apart (the
+# P:D ratio; vLLM's XpYd proxy demo, [`disagg_proxy_demo.py`](https://github.com/vllm-project/vllm/blob/03a7284d692e562eaaf759cce2726df3640e6557/examples/online_serving/disaggregated_serving/disagg_proxy_demo.py),
+# fronts X prefill and Y decode instances). `Disaggregated(..., decode_engines=2)` keeps
+# one prefill process and gives it two decode engines, each with its own cache and
+# scheduler. Each finished prefill goes to the *least-loaded* one: the fewest unfinished
+# requests, then the most free KV blocks, then the first. That is the rule of the proxy
+# demo's `LoadBalancedScheduler` (fewest requests in flight, the first on a tie) and of
+# notebook 14's router, read here off each engine's own queues:
+
+# %%
+show_source(least_loaded)
+
+# %% [markdown]
+# **Check yourself.** A pool of three decode engines holds (unfinished requests, free KV
+# blocks) = (3, 40), (2, 12) and (2, 30). Which engine (0, 1 or 2) takes the next
+# prefilled request?
+
+# %%
+pool_snapshot = [(3, 40), (2, 12), (2, 30)]  # (unfinished requests, free KV blocks) each
+my_engine = None  # your answer: 0, 1 or 2
+ask("12.route-next", my_engine, snapshot=pool_snapshot)
+
+# %% [markdown]
+# The run above, 1P:1D against 1P:2D on the same trace: the requests each decode engine
+# was given, the most sequences it held running after a step, its mean decode batch, and
+# the latencies (timings and the split between engines vary from run to run):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+pool_table = pd.DataFrame({"1P:1D": pair_row, "1P:2D": pool_row}).T
+pool_table["itl p50"] = [r["itl_s"]["p50"] for r in (pair_row, pool_row)]
+pool_table["itl p99"] = [r["itl_s"]["p99"] for r in (pair_row, pool_row)]
+print(pool_table[["routed", "peak_running", "mean_decode_batch", "itl p50", "itl p99",
+                  "tokens_per_s", "wall_s"]].to_string())  # fmt: skip
+itl_ratio = pool_row["itl_s"]["p50"] / pair_row["itl_s"]["p50"]
+tok_ratio = pool_row["tokens_per_s"] / pair_row["tokens_per_s"]
+print(f"1P:2D / 1P:1D: ITL p50 {itl_ratio:.2f}x, tok/s {tok_ratio:.2f}x")
+pool_figure(setups).show()
+
+# %% [markdown]
+# What changed: the least-loaded policy split the six requests 3 and 3 (the split can
+# differ from run to run: it depends on which requests are still running when each
+# transfer arrives), each decode engine held at most half the running sequences, and
+# each ran about half the decode batch (a mean of 2.12<!-- out --> and 2.43<!-- out -->
+# sequences per step, against 4.25<!-- out --> for the single decode engine). On GPUs
+# that is what a pool is for: each decode engine's KV memory holds only its share of the
+# sequences, so the pool holds more at once, and each engine's step runs on a device of
+# its own.
+#
+# What cannot change here is throughput. Both decode engines run in this process, on the
+# same two cores, and take turns to step, so a request waits for both engines' steps
+# between two of its tokens; and part of a step's cost (reading the weights, the Python
+# around the forward) does not shrink with its batch, so two half-batch steps take
+# longer than one full one. In this run 1P:2D's ITL p50 was 1.26x<!-- out --> of 1P:1D's
+# and its tok/s 0.93x<!-- out -->: no gain, and on this shared machine the ratios swing
+# from run to run. Comparing P:D ratios for speed needs each engine on its own device.
 #
 # ## 3 · The way on: the same workload on a real vLLM deployment
 #
@@ -241,6 +343,9 @@ latency_figure(setups).show()
 # > model) crosses between them, checked on arrival, and the decode engine never stalls
 # > for a long prefill, which is what bounds its tail inter-token latency. It buys
 # > latency control, not throughput: on one machine both figures here share two cores.
+# > One prefill engine can feed a pool of decode engines (1P:2D), each request routed to
+# > the least-loaded one; each engine then runs a smaller batch, which only pays off when
+# > each has a device of its own.
 #
 # ## What to try next
 #
@@ -249,6 +354,8 @@ latency_figure(setups).show()
 #   fall to about a quarter; what happens to the tokens?
 # * `Disaggregated(model, config, config, fault="corrupt")` spoils every transfer after
 #   its checksum: count the rejected transfers and check the tokens are still the same.
+# * `disagg.colocated_vs_disaggregated(model, trace, decode_engines=(1, 2, 3))`: how do
+#   the requests split over three decode engines, and what happens to each one's batch?
 # * Give the colocated engine chunked prefill with a smaller `max_num_batched_tokens`:
 #   how close does its ITL p99 come to the disaggregated one?
 #

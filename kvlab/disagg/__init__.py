@@ -11,7 +11,9 @@ layer). The decode engine admits the request the way it swaps a preempted one ba
 blocks allocated, the KV loaded into them, decoding continues from the first token. A
 transfer that arrives corrupted or truncated is detected and the request is recomputed
 from its prompt, never decoded on bad KV; if the prefill process dies, the prompts it held
-and every later one are prefilled on the decode engine (`pair.py`).
+and every later one are prefilled on the decode engine (`pair.py`). One prefill engine may
+feed a pool of decode engines (`decode_engines=2`: 1P:2D), each prefilled request routed
+to the least-loaded one (`routing.py`).
 
 As vLLM's docs say of its disaggregated prefill: this does not raise throughput; it keeps
 long prompts' prefills from stalling the running decodes (time to first token decoupled

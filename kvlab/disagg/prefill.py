@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from kvlab.config import EngineConfig, SamplingParams
@@ -27,7 +25,9 @@ def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str |
 
     Each request runs until its first token; its KV then goes through the producer
     connector (read off the pool layer by layer, checksummed) onto the pipe, and the
-    request is cancelled, freeing its blocks.
+    request is cancelled, freeing its blocks. Each transfer carries the engine's step
+    time and step count so far (one step that finishes several prompts counts once); at
+    "stop" it sends its blocks still held and the totals of its own telemetry.
     """
     from kvlab.build import Engine
     from kvlab.model.loading import load_model
@@ -35,14 +35,14 @@ def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str |
     torch.set_num_threads(1)
     engine = Engine(load_model(model_name, device="cpu", dtype=dtype, progress=False),
                     EngineConfig(**config))  # fmt: skip
-    sending: dict[int, tuple[int, SamplingParams, float]] = {}  # request id -> index,
-    # params, prefill step's wall time
+    sending: dict[int, tuple[int, SamplingParams]] = {}  # request id -> index, params
+    busy = {"s": 0.0, "steps": 0}  # running totals over the steps so far, each step once
 
     def send(seq, stored, digest) -> None:  # the producer's transport: the pipe
-        index, params, took = sending.pop(seq.request_id)
+        index, params = sending.pop(seq.request_id)
         transfer = KVTransfer(
             index, seq.prompt_ids, params, seq.output_ids[0], engine.cache.pool.kv_codec,
-            stored, digest, took,
+            stored, digest, busy["s"], busy["steps"],
         )  # fmt: skip
         if fault:
             _damage(transfer, fault)
@@ -55,19 +55,28 @@ def prefill_main(conn, model_name: str | None, dtype, config: dict, fault: str |
         if kind == "stop":
             engine.cache.check_integrity()
             producer.check_integrity()
-            conn.send(("stopped", engine.cache.num_blocks - engine.cache.num_available))
+            cache, steps = engine.cache, engine.stats()  # its telemetry: a row per step
+            held = cache.num_blocks - cache.num_available
+            totals = {
+                "blocks_held": held,
+                "steps": len(steps),
+                "step_s": float(steps["step_s"].sum()),
+            }
+            conn.send(("stopped", totals))
             return
         ids = {}
         for index, prompt_ids, params in batch:
             ids[engine.add_request(prompt_ids, _first_token_only(params))] = (index, params)
         while ids:
-            started = time.perf_counter()
+            recorded = len(engine.telemetry.records)
             engine.step()
-            took = time.perf_counter() - started
+            for record in engine.telemetry.records[recorded:]:  # this step's row
+                busy["s"] += record.step_s
+                busy["steps"] += 1
             for seq in list(engine.scheduler.running):
                 if seq.request_id not in ids or not seq.output_ids:
                     continue
-                sending[seq.request_id] = (*ids.pop(seq.request_id), took)
+                sending[seq.request_id] = ids.pop(seq.request_id)
                 producer.request_finished(seq, engine.cache.block_table(seq))  # sends
                 engine.cancel(seq.request_id)
 

@@ -32,7 +32,8 @@ class KVTransfer:
     kv_codec: str | None
     stored: StoredKV  # positions [0, len(prompt_ids)) in every layer, as the codec stores them
     digest: str  # checksum(stored) as the prefill side computed it
-    prefill_s: float  # wall time of the prefill step that produced it
+    prefill_s: float  # the prefill engine's step wall time so far, this one's step included
+    prefill_steps: int = 0  # the prefill engine's steps so far (each counted once)
 
     @property
     def nbytes(self) -> int:

@@ -8,8 +8,13 @@ the cores, so the prefill process still slows the decodes down: the figures show
 mechanism, not the gain on separate devices.
 
 Each setup also reports `prefill_steps_s`: the wall time of the steps that prefilled in
-the engine that decodes, which every running decode waited for (none, disaggregated: its
+the engines that decode, which every running decode waited for (none, disaggregated: its
 prefills run in the other process, beside the decodes instead of between them).
+
+With `decode_engines=(1, 2)` the disaggregated run is repeated with a pool of two decode
+engines (1P:2D): the rows add what each decode engine was given and held. Both decode
+engines share this process and its cores, taking turns to step, so the pool cannot raise
+throughput here: it shows the routing and the smaller batch each engine runs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from kvlab import workloads
 from kvlab.build import Engine
 from kvlab.config import EngineConfig
 from kvlab.disagg import Disaggregated
+from kvlab.integrity import require
 from kvlab.model.loading import LoadedModel
 from kvlab.workloads import Request
 
@@ -49,11 +55,13 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(statistics.median(ordered), 4), "p99": round(p99, 4)}
 
 
-def _summary(outputs, wall_s: float, engine: Engine) -> dict:
+def _summary(outputs, wall_s: float, engines: list[Engine]) -> dict:
     itl = [gap for o in outputs for gap in o.metrics.itl_s]
     tokens = sum(len(o.token_ids) for o in outputs)
-    steps = engine.stats()
-    prefilled = steps[steps["phase"] != "decode"]["step_s"].sum() if len(steps) else 0.0
+    prefilled = 0.0
+    for engine in engines:
+        steps = engine.stats()
+        prefilled += steps[steps["phase"] != "decode"]["step_s"].sum() if len(steps) else 0.0
     return {
         "ttft_s": _percentiles([o.metrics.ttft_s for o in outputs]),
         "itl_s": _percentiles(itl),
@@ -63,30 +71,69 @@ def _summary(outputs, wall_s: float, engine: Engine) -> dict:
     }
 
 
+def _pool(pair: Disaggregated) -> dict:
+    """What the pair moved (measured from its transfers) and how its decode engines were
+    loaded: requests routed to each, the most sequences each held running after a step,
+    and each one's mean decode batch."""
+    stats = pair.stats
+    peak, batch = [], []
+    for engine in pair.decodes:
+        steps = engine.stats()
+        decodes = steps[steps["phase"] == "decode"]
+        peak.append(int(steps["running"].max()) if len(steps) else 0)
+        batch.append(round(float(decodes["batch_seqs"].mean()), 2) if len(decodes) else 0.0)
+    return {
+        "bytes_moved": stats.bytes_moved,
+        "prompt_tokens_moved": stats.prompt_tokens,
+        "transfers_rejected": stats.rejected,
+        "prefill_engine_s": round(stats.prefill_s, 4),  # its steps' wall time, each once
+        "prefill_engine_steps": stats.prefill_steps,
+        "routed": list(stats.routed),
+        "peak_running": peak,
+        "mean_decode_batch": batch,
+    }
+
+
+def setup_name(decode_engines: int) -> str:
+    """A disaggregated setup's row name: "disaggregated" (1P:1D), "disaggregated 1P:2D", ..."""
+    return "disaggregated" if decode_engines == 1 else f"disaggregated 1P:{decode_engines}D"
+
+
 def colocated_vs_disaggregated(
-    model: LoadedModel, requests: list[Request], **config
+    model: LoadedModel, requests: list[Request], decode_engines: tuple[int, ...] = (1,), **config
 ) -> dict[str, dict]:
-    """Colocated (without / with chunked prefill) and disaggregated, one run each; the
-    greedy tokens of all three must be equal."""
+    """Colocated (without / with chunked prefill), then disaggregated with one prefill
+    engine and each pool size in `decode_engines` (rows named by `setup_name`), one run
+    each; the greedy tokens of all must be equal."""
     base = dict(cache="paged", block_size=16, max_num_batched_tokens=512) | config
     rows, tokens = {}, {}
     for name, extra in (("colocated", {}), ("colocated+chunked", {"chunked_prefill": True})):
         engine = Engine(model, EngineConfig(**base, **extra))
         start = time.perf_counter()
         outs = engine.run(requests, ignore_eos=True)
-        rows[name] = _summary(outs, time.perf_counter() - start, engine)
+        rows[name] = _summary(outs, time.perf_counter() - start, [engine])
         tokens[name] = [o.token_ids for o in outs]
-    pair = Disaggregated(model, EngineConfig(**base), EngineConfig(**base))
-    try:
-        start = time.perf_counter()
-        outs = pair.run(requests, ignore_eos=True)
-        rows["disaggregated"] = _summary(outs, time.perf_counter() - start, pair.decode)
-    finally:
-        pair.close()
-    tokens["disaggregated"] = [o.token_ids for o in outs]
-    rows["disaggregated"]["bytes_moved"] = pair.stats.bytes_moved
-    rows["disaggregated"]["transfers_rejected"] = pair.stats.rejected
+    for n in decode_engines:
+        name = setup_name(n)
+        pair = Disaggregated(model, EngineConfig(**base), EngineConfig(**base), decode_engines=n)
+        try:
+            start = time.perf_counter()
+            outs = pair.run(requests, ignore_eos=True)
+            rows[name] = _summary(outs, time.perf_counter() - start, pair.decodes)
+        finally:
+            pair.close()
+        for engine in pair.decodes:  # no block left held on any engine after the run
+            engine.cache.check_integrity()
+            require(engine.cache.num_available == engine.cache.num_blocks, "a decode block leaked")
+        require(pair.prefill_blocks_held == 0, "a prefill block leaked")
+        tokens[name] = [o.token_ids for o in outs]
+        rows[name] |= _pool(pair)
     first = tokens["colocated"]
     for name in rows:
         rows[name]["identical_to_colocated"] = tokens[name] == first
     return rows
+
+
+def link_ms(nbytes: int, gbps: float) -> float:
+    """Milliseconds `nbytes` take over a link of `gbps` GB/s (10^9 bytes per second)."""
+    return nbytes / (gbps * 1e9) * 1e3

@@ -44,3 +44,25 @@ def latency_figure(setups: dict[str, dict]) -> go.Figure:
     figure.update_layout(barmode="group", yaxis_title="ms", height=380,
                          title="Long prompts among running decodes")  # fmt: skip
     return figure
+
+
+def pool_figure(setups: dict[str, dict]) -> go.Figure:
+    """Grouped bars per decode engine of each disaggregated setup: requests routed to it,
+    the most sequences it held running, and its mean decode batch (rows from
+    kvlab.experiments.disagg.colocated_vs_disaggregated with a pool size in decode_engines)."""
+    engines = [(name, d) for name, row in setups.items() for d in range(len(row.get("routed", [])))]
+    labels = [f"{name.removeprefix('disaggregated').strip() or '1P:1D'} · engine {d}"
+              for name, d in engines]  # fmt: skip
+    figure = go.Figure(
+        [
+            go.Bar(name=label, x=labels, y=[setups[name][key][d] for name, d in engines])
+            for label, key in (
+                ("requests routed", "routed"),
+                ("peak running", "peak_running"),
+                ("mean decode batch", "mean_decode_batch"),
+            )
+        ]
+    )
+    figure.update_layout(barmode="group", yaxis_title="sequences", height=360,
+                         title="Each decode engine's share of the requests")  # fmt: skip
+    return figure

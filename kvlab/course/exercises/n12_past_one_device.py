@@ -1,5 +1,6 @@
-"""Notebook 12's exercises: which KV head each tensor-parallel rank stores, and how long a
-prefilled prompt's KV takes to cross a network."""
+"""Notebook 12's exercises: which KV head each tensor-parallel rank stores, how long a
+prefilled prompt's KV takes to cross a network, and which decode engine of a pool takes
+the next prefilled request."""
 
 from __future__ import annotations
 
@@ -70,3 +71,32 @@ def _ms_hint(answer, right) -> str:
 )
 def transfer_ms(bytes_moved: int) -> float:
     return bytes_moved / (LINK_GBPS * 1e9) * 1e3
+
+
+SNAPSHOT = [(3, 40), (2, 12), (2, 30)]  # 12.route-next: (requests, free blocks) per engine
+
+
+def _route_hint(answer, right) -> str:
+    if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < 3:
+        return "an engine's index: 0, 1 or 2 (engines are numbered from 0)."
+    if answer == 0:
+        return "fewest unfinished requests comes first; free blocks only break a tie."
+    return "engines 1 and 2 tie on requests: the one with more free KV blocks takes it."
+
+
+@exercise(
+    "12.route-next",
+    question="A 1P:3D pool's decode engines hold (unfinished requests, free KV blocks) = "
+    f"{SNAPSHOT}. Which engine (0, 1 or 2) does the least-loaded policy give the next "
+    "prefilled request?",
+    solution="2: engines 1 and 2 tie on the fewest requests (2); engine 2 has more free "
+    "blocks (30 > 12). Engine 0 has the most free blocks but more requests, which count "
+    "first (`least_loaded`).",
+    hint=_route_hint,
+    example=lambda: {"snapshot": SNAPSHOT},
+    wrong=lambda right: 1,
+)
+def route_next(snapshot: list[tuple[int, int]]) -> int:
+    from kvlab.disagg.routing import Load, least_loaded
+
+    return least_loaded([Load(requests, free) for requests, free in snapshot])
