@@ -13,6 +13,7 @@ bench.py           kvlab against HF transformers and vLLM on the same prompts
 step_profile.py    where a step's time goes, part by part, and its floor (`kvlab profile`)
 peer_profile.py    that profile beside vLLM's on the same tokens (`--peer vllm`)
 why_cache.py       decoding with and without a KV cache (notebook 01)
+fragmentation.py   reservation, internal and external fragmentation (notebook 02)
 sharing.py         prefix sharing, hash vs radix, n > 1 forks (notebook 03)
 quality.py         what a KV codec costs (perplexity, agreement) and buys (notebook 04)
 stress.py          the scheduler under memory pressure (notebook 05)
@@ -20,6 +21,8 @@ capacity_check.py  the planner's prediction against a live run (notebook 08)
 speculative.py     speculative decoding, kvlab beside HF and vLLM (notebook 09), with
                    spec_kvlab.py (kvlab's runs) and spec_runs.py (SpecRun, SpecResult)
 tiers.py           the KV hierarchy on a multi-turn trace (notebook 10)
+tier_decode.py     decode inter-token latency with KV on the device or in host memory
+                   (notebook 10)
 longctx.py         retention policies: needle recall, perplexity, KV held (notebook 11)
 disagg.py          colocated vs disaggregated serving (notebook 12)
 tensor_parallel.py per-rank KV, all-reduces, token identity (notebook 12)

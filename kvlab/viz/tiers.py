@@ -95,3 +95,32 @@ def recompute_figure(trace: dict) -> go.Figure:
         height=380,
     )
     return figure
+
+
+def itl_figure(result: dict) -> go.Figure:
+    """Inter-token latency of every decode step, one line per case
+    (experiments.tier_decode.decode_itl); rings mark the streamed case's steps that loaded
+    a newly arrived request's blocks back from the host tier."""
+    rows = [r for r in result["rows"] if r["decode_rows"]]
+    figure = go.Figure()
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case]
+        figure.add_scatter(x=[r["step"] for r in mine], y=[r["itl_s"] * 1e3 for r in mine],
+                           mode="lines+markers", name=case)  # fmt: skip
+    loads = [r for r in rows if r["loaded_blocks"]]
+    figure.add_scatter(
+        x=[r["step"] for r in loads],
+        y=[r["itl_s"] * 1e3 for r in loads],
+        mode="markers",
+        marker=dict(symbol="circle-open", size=16, color="black", line=dict(width=2)),
+        text=[f"{r['loaded_blocks']} blocks loaded from host" for r in loads],
+        name="streamed: a step that loads blocks",
+    )
+    figure.update_layout(
+        title=f"ITL per decode step ({len(result['prompt_tokens'])} requests, one arriving "
+        f"every {result['setup'].stagger} steps)",
+        xaxis_title="engine step",
+        yaxis_title="inter-token latency (ms)",
+        height=380,
+    )
+    return figure
