@@ -21,9 +21,11 @@ from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
 from kvlab.labs import (
     allocator,
+    capstone,
     hashing,
     int8,
     kv_cache,
+    kvlab_block_keys,
     metrics,
     rollback,
     scorer,
@@ -715,6 +717,41 @@ class ScoresOnlyReplicasSeen(ScorerAnswer):
         return {r: n for r, n in scores.items() if r in self.held}
 
 
+# --- lab 10: the capstone (lab 1, 2 and 4 parts inside kvlab's engine) ----------------------
+class NeverReusesFreedBlocks(BlockAllocator):
+    """Hands out each block once: a freed block never comes off the free list again."""
+
+    def __init__(self, num_blocks, on_evict=None):
+        super().__init__(num_blocks, on_evict)
+        self.fresh = 0  # blocks 0 .. fresh - 1 were handed out once
+
+    def allocate(self):
+        if self.fresh < self.num_blocks:
+            block, self.fresh = self.fresh, self.fresh + 1
+            self.free_blocks.remove(block)
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            if self.on_evict:
+                self.on_evict(block)
+        else:
+            raise OutOfBlocks("every block was handed out once")
+        self.ref_counts[block] = 1
+        return block
+
+
+class LeaksAFreedBlock(BlockAllocator):
+    """The first block freed never goes back on the free list."""
+
+    leaked = False
+
+    def decref(self, block, keep_cached=False):
+        freed = super().decref(block, keep_cached)
+        if freed and not self.leaked:
+            self.leaked = True
+            self.free_blocks.remove(block)
+        return freed
+
+
 # --- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mistake:
@@ -739,8 +776,9 @@ LAB_NAMES = (  # every lab, in order: the tests check the folders and workflow a
     "07_tier_lru",
     "08_reading_metrics",
     "09_precise_scorer",
+    "10_capstone",
 )
-L0, L1, L2, L3, L4, L5, L6, L7, L8, L9 = LAB_NAMES
+L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10 = LAB_NAMES
 MISTAKES = [
     Mistake(L0, NoCausalMask, kv_cache.CAUSAL, ["appended after it", "-inf"]),
     Mistake(L0, CausalFromTheTopLeft, kv_cache.ATTENDS, ["is_causal=True", "top-left"]),
@@ -823,6 +861,12 @@ MISTAKES = [
     Mistake(L9, RemovesFromEveryReplica, scorer.REMOVED, ["r1 still holds block 3"]),
     Mistake(L9, ClearsEveryReplica, scorer.CLEARED, ["r1 did not reset"]),
     Mistake(L9, ScoresOnlyReplicasSeen, scorer.RETURNS, ["s.score([1, 2, 3], ['r0', 'r1', 'r2'])"]),
+    Mistake(L10, NeverReusesFreedBlocks, capstone.CONSISTENT, ["OutOfBlocks", "must be reusable"]),
+    Mistake(L10, LeaksAFreedBlock, capstone.CONSISTENT, ["!= total 26", "lab 1"]),
+    Mistake(L10, ignores_parent, capstone.TOKENS, ["parent's key (lab 2)", "b1-again"]),
+    Mistake(L10, ignores_salt, capstone.CONSISTENT, ["shared across salts", "'tenant-x'"]),
+    Mistake(L10, EvictsMostRecentlyUsed, capstone.HITS, ["least recently used cached one"]),
+    Mistake(L10, highest_priority, capstone.PREEMPTIONS, ["your choose_victim chose", "(lab 4)"]),
 ]
 
 
@@ -842,6 +886,7 @@ BINDINGS = {
     L7: "LabHostTier = {name}",
     L8: "parse_metrics, hit_rate, preemptions = {answer}",
     L9: "LabScorer = {name}",
+    L10: "make_allocator, block_keys, choose_victim = {answer}",
 }
 L8_ROLES = (
     "parse_",
@@ -859,6 +904,11 @@ def answer(mistake: Mistake) -> tuple:
         role = next(i for i, p in enumerate(L8_ROLES) if mistake.name.startswith(p))
         right[role] = mistake.code
         return tuple(right)
+    if mistake.lab == L10:  # the mistake in its part's place, kvlab's own parts beside it
+        right = [BlockAllocator, kvlab_block_keys, kvlab_choose_victim]
+        params = [] if inspect.isclass(mistake.code) else inspect.signature(mistake.code).parameters
+        right[0 if not params else 1 if "tokens" in params else 2] = mistake.code
+        return tuple(right)
     return (mistake.code,)
 
 
@@ -872,6 +922,7 @@ import torch
 from kvlab.cache import BlockAllocator, OutOfBlocks
 from kvlab.cache.retention import DROPPED
 from kvlab.engine.scheduler import choose_victim as kvlab_choose_victim
+from kvlab.labs import kvlab_block_keys
 from kvlab.units import ceil_div
 """
 
@@ -889,6 +940,9 @@ def submission(mistake: Mistake) -> str:
         helpers = (read_line, sample_lines, delta, caching_off, usage_after)
         helpers += (parse_metrics, hit_rate, preemptions)
         parts[1:1] = [inspect.getsource(fn) for fn in helpers]
-    names = ", ".join(fn.__name__ for fn in answer(mistake))
+    names = ", ".join(  # kvlab's victim rule is imported under another name
+        "kvlab_choose_victim" if fn is kvlab_choose_victim else fn.__name__
+        for fn in answer(mistake)
+    )
     parts.append(BINDINGS[mistake.lab].format(name=mistake.name, answer=names) + "\n")
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"

@@ -5,6 +5,7 @@ the committed student notebooks are what generation makes of the sources."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 
@@ -14,6 +15,7 @@ import torch
 from lab_mistakes import (
     LAB_NAMES,
     MISTAKES,
+    EvictsMostRecentlyUsed,
     FreesOnFirstDecref,
     Mistake,
     answer,
@@ -35,8 +37,10 @@ from kvlab.labs import (
     KvlabKVCache,
     KvlabScorer,
     LabFailure,
+    capstone,
     check_block_allocator,
     check_block_hash,
+    check_capstone,
     check_int8_codec,
     check_kv_cache,
     check_metrics_reading,
@@ -62,6 +66,38 @@ from kvlab.sequence import Sequence
 
 LABS = student.LABS
 NAMES = list(LAB_NAMES)
+
+
+@functools.cache
+def tiny_model():
+    """A 2-layer random Llama with the embedded tokenizer, built in memory (conftest's
+    tiny_model, drawn the same way): the capstone grader's tests serve it, in seconds; the
+    capstone's source notebook grades on SmolLM2-135M itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvlab.model.loading import LoadedModel
+
+    tokenizer = capstone.capstone_model().tokenizer
+    torch.manual_seed(2)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        vocab_size=tokenizer.vocab_size,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
+    return LoadedModel(LlamaForCausalLM(config).eval(), tokenizer, "tiny-llama", 0.0)
+
+
+def check_capstone_tiny(*parts, **kwargs):
+    """The capstone's grader on the tiny model."""
+    return check_capstone(*parts, model=tiny_model(), **kwargs)
+
+
 GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names it defines)
     "00_kv_cache": check_kv_cache,
     "01_block_allocator": check_block_allocator,
@@ -73,6 +109,7 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "07_tier_lru": check_tier_lru,
     "08_reading_metrics": check_metrics_reading,
     "09_precise_scorer": check_precise_scorer,
+    "10_capstone": check_capstone_tiny,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "00_kv_cache": (KvlabKVCache,),
@@ -85,6 +122,7 @@ KVLAB_PARTS = {  # the library's own parts: the graders' references
     "07_tier_lru": (KvlabHostTier,),
     "08_reading_metrics": (kvlab_parse, kvlab_hit_rate, kvlab_preemptions),
     "09_precise_scorer": (KvlabScorer,),
+    "10_capstone": (BlockAllocator, kvlab_block_keys, choose_victim),
 }
 
 
@@ -114,7 +152,7 @@ def test_each_grader_accepts_kvlabs_own_part(lab, capsys):
     assert f"all {len(result.checks)} checks passed." in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mistake", MISTAKES, ids=lambda m: m.name)
+@pytest.mark.parametrize("mistake", MISTAKES, ids=lambda m: f"{m.lab}-{m.name}")
 def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake):
     result = grade_mistake(mistake)
     assert_rejects(result, mistake.invariant, *mistake.phrases)
@@ -134,6 +172,10 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
         assert len(example.splitlines()) <= 12
     if mistake.lab == "07_tier_lru":
         assert example.startswith(f"tier = {mistake.name}(")  # runnable, and short
+        assert len(example.splitlines()) <= 8
+    if mistake.lab == "10_capstone":  # the requests, then the call serving only those
+        last = example.splitlines()[-1]
+        assert last.startswith("check_capstone(make_allocator, block_keys, choose_victim, ")
         assert len(example.splitlines()) <= 8
 
 
@@ -306,6 +348,46 @@ def test_the_metrics_reference_reads_the_saved_vllm_page_as_the_solution_does():
     assert kvlab_preemptions(page, later) == (2, 0.0)
 
 
+def test_the_capstone_plugs_the_learners_parts_into_the_engine():
+    from kvlab.build import Engine
+
+    engine = Engine(tiny_model(), capstone.capstone_config())
+    calls = []
+
+    def recording_victim(running):  # the scheduler's seam: Scheduler.choose_victim
+        calls.append([s.request_id for s in running])
+        return choose_victim(running)
+
+    capstone.plug_in(engine, EvictsMostRecentlyUsed, kvlab_block_keys, recording_victim)
+    assert isinstance(engine.cache.allocator, EvictsMostRecentlyUsed)
+    tokens = list(range(40))
+    assert engine.cache.index.keys(tokens, "t") == kvlab_block_keys(tokens, 16, "t")
+    ref = capstone.reference(tiny_model())
+    requests = [r for r in ref.requests if r.wave == 0]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for r in requests:
+        engine.add_request(list(r.prompt_ids), params, salt=r.salt)
+    while engine.has_unfinished():
+        engine.step()
+    assert calls and engine.scheduler.preemptions == len(calls)  # it chose every victim
+    with pytest.raises(ValueError, match="has not served a request yet"):
+        capstone.plug_in(engine, BlockAllocator, kvlab_block_keys, choose_victim)
+
+
+def test_the_capstone_workload_shares_evicts_preempts_and_keeps_tenants_apart():
+    for seed in (0, 2026):
+        ref = capstone.reference(tiny_model(), seed)  # its tokens equal HF generate's
+        served = ref.run.served
+        assert served["b1"].hit_tokens >= 8 * capstone.BLOCK_SIZE  # the shared document
+        assert served["a2"].hit_tokens >= served["b1"].hit_tokens  # its history, at least
+        assert sum(s.preemptions for s in served.values()) >= 1
+        assert served["y1"].hit_tokens < 2 * capstone.BLOCK_SIZE  # a1's blocks, moved: no hit
+        assert ref.run.broke is None and ref.run.leaked is None
+    # an allocator that evicts the most recently used block finds fewer of them cached
+    result = check_capstone_tiny(EvictsMostRecentlyUsed, kvlab_block_keys, choose_victim)
+    assert [f.check for f in result.failures] == ["prefix-cache hits per request equal kvlab's"]
+
+
 # --- grading behaviour ----------------------------------------------------------------------
 def oldest_admitted(running):
     return max(running, key=lambda s: (-s.priority, -s.admit_order))
@@ -367,7 +449,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_ten_labs_each_one_source_and_its_student_version():
+def test_there_are_eleven_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):

@@ -35,6 +35,7 @@ from lab_mistakes import LAB_NAMES, MISTAKES, Mistake, answer, of, submission
 from kvlab.labs import (
     check_block_allocator,
     check_block_hash,
+    check_capstone,
     check_int8_codec,
     check_kv_cache,
     check_metrics_reading,
@@ -71,6 +72,7 @@ GRADERS = dict(
             check_tier_lru,
             check_metrics_reading,
             check_precise_scorer,
+            check_capstone,
         ],
     )
 )

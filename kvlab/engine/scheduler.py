@@ -24,6 +24,7 @@ jumps the queue.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvlab.cache.base import KVCache
@@ -128,6 +129,9 @@ class Scheduler:
         self._admissions = 0
         self._fresh: list[Sequence] = []  # admitted by the schedule() in progress
         self._now = 0.0
+        # The preemption victim rule: kvlab's own; a lab's capstone plugs a learner's in
+        # here (kvlab.labs.capstone) before the engine serves its first request.
+        self.choose_victim: Callable[[list[Sequence]], Sequence] = choose_victim
 
     # --- queues --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -350,7 +354,7 @@ class Scheduler:
             while (need := self.cache.blocks_needed(seq, seq.num_computed + n)) > (
                 free := self.cache.num_available
             ):
-                victim = choose_victim(self.running)
+                victim = self.choose_victim(self.running)
                 self.preempt(victim, _cause(seq, n, need, free, victim, len(self.running)))
                 if victim is seq:
                     break

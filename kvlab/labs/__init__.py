@@ -17,12 +17,16 @@ speculative rollback `KVCache.rewind` with `BlockAllocator.decref` (`kvlab_rollb
 the retention policies "window" and "sinks" (`kvlab_release`) and the host tier
 `HostTier` (`KvlabHostTier`), kvlab's router index `kvlab.route.index.BlockIndex`
 (`KvlabScorer`); the /metrics lab reads pages kvlab's server metrics render
-(`kvlab_parse`: prometheus_client's parser, `kvlab_hit_rate`, `kvlab_preemptions`). The labs
+(`kvlab_parse`: prometheus_client's parser, `kvlab_hit_rate`, `kvlab_preemptions`). The
+capstone (`check_capstone`) plugs the parts of labs 1, 2 and 4 into kvlab's engine
+(`kvlab.labs.capstone.plug_in`) and serves the real model: its reference is the same engine
+with kvlab's own parts, whose greedy tokens it checks against HF transformers. The labs
 are notebooks/labs/source/<lab>/<lab>.ipynb (nbgrader sources, solved); the learners'
 notebooks/labs/<lab>.ipynb are generated from them by `python -m kvlab.labs.student`.
 """
 
 from kvlab.labs.allocator import check_block_allocator
+from kvlab.labs.capstone import check_capstone
 from kvlab.labs.grading import Failure, LabFailure, LabResult
 from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
 from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
@@ -52,6 +56,7 @@ __all__ = [
     "Rollback",
     "check_block_allocator",
     "check_block_hash",
+    "check_capstone",
     "check_int8_codec",
     "check_kv_cache",
     "check_metrics_reading",
