@@ -144,6 +144,7 @@ def time_notebook(
             }
         wall_s = time.perf_counter() - start
     if store and status == "ok":
+        nb.metadata.pop("widgets", None)  # the live widgets' state: megabytes, not output
         nbformat.write(nb, path)
     times = [(i, _seconds(c)) for i, c in enumerate(code_cells)]
     times = [(i, s) for i, s in times if s is not None]

@@ -336,12 +336,12 @@ roofline_figure(points, copy["gb_s"], title)
 # The roofline is only as good as the copy bandwidth under it, and that figure belongs to
 # the machine and the moment: how many memory channels the CPU (or the VM's share of it)
 # has, how many threads the copy uses, and what else competes for the memory bus while it
-# runs. The stored run measured 16.89<!-- out --> GB/s on a shared 2-core VM (AMD EPYC;
-# its load average is printed at the end of this notebook). An earlier stored run of this
-# notebook on the same VM, while other jobs kept it busy, measured 3.99 GB/s: the same
-# copy at a quarter of the speed, and every "fraction of the copy bandwidth" below would
-# move with it. Quote a roofline with its machine and its load. Three more copies now,
-# to see how much the figure varies from one moment to the next:
+# runs. The stored run measured 39.64<!-- out --> GB/s on a quiet 2-core VM (AMD EPYC;
+# its load average is printed at the end of this notebook). Earlier runs of this notebook
+# on 2-core VMs of the same kind, while other jobs kept them busy, measured a quarter of
+# that and less, and every "fraction of the copy bandwidth" below moves with it. Quote a
+# roofline with its machine and its load. Three more copies now, to see how much the
+# figure varies from one moment to the next:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

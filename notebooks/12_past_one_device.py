@@ -213,8 +213,9 @@ latency_figure(setups).show()
 # step with a long prefill waits for the whole prefill (the `prefill steps s` column is
 # the time every running decode spent waiting so), and that wait is its tail latency;
 # chunked prefill cuts the wait into smaller pieces. Disaggregated, no step of the decode
-# engine holds a prefill (0 s), and its ITL p99 falls to 0.42x<!-- out --> of
-# colocated's.
+# engine holds a prefill (0 s), and its ITL p99 falls to 0.76x<!-- out --> of
+# colocated's (while its ITL p50 rises: each token now also waits for the transfer
+# and the pair's two processes share two cores).
 #
 # The KV it receives instead has to cross a link. Here is what the measured bytes would
 # take at 25 GB/s (a 200 Gb/s NIC) and 100 GB/s (an 800 Gb/s one), next to the prefill
@@ -236,19 +237,19 @@ print(f"measured prefill / link time at 25 GB/s: {ratio:,.0f}x")
 # %% [markdown]
 # The link would take under a millisecond (0.86<!-- out --> ms at 25 GB/s), and the
 # prefill of the same prompts took seconds on this CPU, thousands of times longer
-# (8,485x<!-- out --> in this run, on a machine shared with other work): here moving the
+# (1,751x<!-- out --> in this run): here moving the
 # KV is nearly free. On a GPU the same prefill takes milliseconds, and then the link's
 # time is no longer small beside it; for larger models the KV per token grows too (vLLM's
 # connectors save and load it layer by layer inside the forward, so that each layer's
 # transfer overlaps compute).
 #
-# Throughput is another matter. Here disaggregated's tok/s is 1.10x<!-- out --> of
+# Throughput is another matter. Here disaggregated's tok/s is 0.60x<!-- out --> of
 # colocated's. vLLM's docs say it plainly: "Disaggregated prefill DOES NOT improve
 # throughput" ([vLLM: disaggregated prefilling](https://docs.vllm.ai/en/latest/features/disagg_prefill/));
 # it buys the tuning of time to first token and inter-token latency separately, and
 # control of the tail. On one 2-core machine the ratio measures the machine, not the
-# design, and it swings from run to run, above 1 or below (during this run the load
-# average printed above was several times the 2 cores: other work shared them). The
+# design, and it swings from run to run, above 1 or below, with what else the machine
+# runs (the load average printed above counts this notebook's own processes too). The
 # pair is two processes, the decode engine on two threads and the prefill engine on a
 # thread of its own, against one colocated engine that runs one step at a time. Where
 # the colocated engine leaves CPU time idle (between its steps, or in small decode
@@ -306,7 +307,7 @@ pool_figure(setups).show()
 # differ from run to run: it depends on which requests are still running when each
 # transfer arrives), each decode engine held at most half the running sequences, and
 # each ran about half the decode batch (a mean of 2.12<!-- out --> and 2.43<!-- out -->
-# sequences per step, against 4.25<!-- out --> for the single decode engine). On GPUs
+# sequences per step, against 2.83<!-- out --> for the single decode engine). On GPUs
 # that is what a pool is for: each decode engine's KV memory holds only its share of the
 # sequences, so the pool holds more at once, and each engine's step runs on a device of
 # its own.
@@ -315,7 +316,7 @@ pool_figure(setups).show()
 # same two cores, and take turns to step, so a request waits for both engines' steps
 # between two of its tokens; and part of a step's cost (reading the weights, the Python
 # around the forward) does not shrink with its batch, so two half-batch steps take
-# longer than one full one. In this run 1P:2D's ITL p50 was 1.26x<!-- out --> of 1P:1D's
+# longer than one full one. In this run 1P:2D's ITL p50 was 1.81x<!-- out --> of 1P:1D's
 # and its tok/s 0.93x<!-- out -->: no gain, and on this shared machine the ratios swing
 # from run to run. Comparing P:D ratios for speed needs each engine on its own device.
 #

@@ -165,14 +165,14 @@ isolation.attack_summary(frames)
 
 # %% [markdown]
 # With the shared cache the right guesses' first tokens came after a median of
-# 0.147<!-- out --> s and the wrong ones' after 0.749<!-- out --> s, and in every trial the
+# 0.063<!-- out --> s and the wrong ones' after 0.282<!-- out --> s, and in every trial the
 # right guess answered first (1.00<!-- out -->): an attacker who compares its two guesses
-# never errs. Its fixed threshold did worse in this run (accuracy 0.75<!-- out -->): it
-# was calibrated on the attacker's own prompts while other work loaded this 2-core
-# machine, and some misses came in under it. With salts both guesses prefill everything
-# and neither is faster but by noise: the right guess came first in 0.25<!-- out --> of
-# the trials and the threshold's accuracy is 0.38<!-- out -->, a coin's at this sample
-# size (4 trials per setting, 4 probes per box; `FULL_SIZE` runs 24).
+# never errs, and its fixed threshold, calibrated on its own prompts, was right every
+# time too (accuracy 1.0<!-- out -->; on a machine loaded by other work some misses come
+# in under it). With salts both guesses prefill everything and neither is faster but by
+# noise: the right guess came first in 0.75<!-- out --> of the trials (3 of 4: no
+# different from a coin at this sample size) and the threshold's accuracy is
+# 0.5<!-- out -->, a coin's (4 trials per setting, 4 probes per box; `FULL_SIZE` runs 24).
 #
 # What the salt does not hide: how loaded the server is (every tenant's requests share
 # its steps, so a flood slows everyone; `--tenant-max-running` bounds what one tenant

@@ -235,14 +235,14 @@ viz.policy_bars(results)
 # Round-robin (and least-loaded) spread each conversation over all three replicas: every
 # replica ends up caching every session, three times the working set, so the LRU evicts
 # what the next turn needs and most prompts are computed again (round-robin's prefix hit
-# rate is 38%<!-- out --> here). The precise policy keeps each session on one replica
-# (68%<!-- out -->): what a replica caches is a third of the working set and fits. Fewer
+# rate is 28%<!-- out --> here). The precise policy keeps each session on one replica
+# (69%<!-- out -->): what a replica caches is a third of the working set and fits. Fewer
 # prompt tokens to compute is a shorter prefill, hence the lower time to first token.
 # The approximate policy gets the affinity without events (69%<!-- out -->), but it
 # guesses: it never learns that a replica evicted a block (here that rarely matters; on
 # a full cache it routes to prefixes that are gone). Between the two prefix policies the
-# time to first token differs by noise at this size (5 sessions, on a shared 2-core
-# machine that other work loaded during this run). `benchmarks/replicas.py` measures the
+# time to first token differs by noise at this size (5 sessions, one run each, on a
+# 2-core machine). `benchmarks/replicas.py` measures the
 # same comparison with 3 replicas as processes, 5 alternating rounds, and the real vLLM
 # Router in front of the same replicas.
 
