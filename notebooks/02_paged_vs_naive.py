@@ -368,7 +368,6 @@ print(replay.summary().to_string())
 # They are considered in order, each after the blocks of those before it are taken.
 
 # %%
-# %%
 my_admitted = None  # your answer: 0, 1, 2 or 3
 ask("02.watermark-admits", my_admitted, prompt_tokens=[37, 38, 44], num_blocks=16,
     block_size=8, watermark=0.25)  # fmt: skip

@@ -30,7 +30,7 @@
 # 1. what each **codec** stores, and the bytes per token it costs, scales included; and
 #    the other way to shrink a token, storing fewer vectors (MQA, MLA);
 # 2. what real K and V look like, and why keys have **outlier channels** (the reason
-#    KIVI quantizes keys per channel);
+#    [KIVI](https://arxiv.org/abs/2402.02750) quantizes keys per channel);
 # 3. the **damage**: perplexity on held-out text, KL divergence from the baseline's
 #    next-token distributions, greedy-token agreement, K/V error, each with the sample
 #    it rests on, and which differences that sample can tell from **noise**;

@@ -246,8 +246,8 @@ cost_figure(costs).show()
 
 # %% [markdown]
 # On a CPU "host memory" is the same memory, so swap costs two memcpys and recompute a
-# prefill: swap wins by orders of magnitude, and its copies sit below the decode steps'
-# own spread. On a GPU server the picture changes in scale. The swap goes over PCIe
+# prefill: swap wins by far (tens of times at the longest victim here), and for short
+# victims its copies sit below the decode steps' own spread. On a GPU server the picture changes in scale. The swap goes over PCIe
 # (about 25 GB/s for PCIe 4.0 x16, 50 for 5.0), while the prefill that recompute runs
 # instead is compute-bound, about 2 FLOP per parameter per token.
 #
@@ -430,8 +430,8 @@ gaps_figure(gaps).show()
 # * In the explorer, find the smallest budget at which no request is preempted: how does
 #   it compare with the burst's demand, and with the `reserve` admission of notebook 02?
 # * Give one request of the burst `priority=1` (`kvlab.workloads.Request(..., priority=1)`)
-#   and serve it with `stress.serve_burst`: it is admitted first and never chosen as a
-#   victim.
+#   and serve it with `stress.serve_burst`: it is admitted first and chosen as a victim
+#   only when it is the last request left to preempt (when it must preempt itself).
 # * Re-run section 6 with `schedule_order="prefill-first"`: with a 64-token budget the
 #   prompt chunk takes it all and the decodes wait again; then try
 #   `max_num_batched_tokens=128` or 256 and watch the trade-off between gap and steps.

@@ -36,10 +36,13 @@
 # * `kv_write_triton` (reference `kv_write_ref`): scatter the new K/V into their slots,
 #   quantizing to int8/fp8 exactly as `kvlab.cache.codecs` does.
 #
-# `paged_decode_attention` and `kv_write` dispatch: Triton on CUDA, the reference
-# elsewhere; `backend="triton"` forces the kernel. On a CPU the kernels then run under
-# **Triton's interpreter** (numpy, slow), which must be switched on before triton is
-# first imported: the set-up cell does that when there is no GPU.
+# `paged_decode_attention` and `kv_write` dispatch (`kernels/dispatch.py`): Triton on
+# CUDA; on a CPU, kvlab's native C decode kernel (`kernels/cpu_decode.c`, built where a C
+# compiler is found; it reads float K/V) and the torch reference otherwise (scaled codecs
+# such as int8, and every K/V write). `backend="triton"` forces the Triton kernel: on a
+# CPU it then runs under **Triton's interpreter** (numpy, slow), which must be switched on
+# before triton is first imported: the set-up cell does that when there is no GPU. This
+# notebook checks the Triton kernels against their references that way.
 
 # %%
 import json
@@ -161,10 +164,12 @@ show_source(_decode_kernel.fn, "for tile_start in range", "m = m_new")
 # * **GQA**: the program for kv head *h* serves all `heads // kv_heads` query heads that
 #   share it, so each K/V tile is loaded once and used 3 times (SmolLM2).
 # * **Online softmax**: scores are never stored; a running max and sum rescale the
-#   partial output tile by tile (the flash-attention recurrence).
-# * **Split-K** (flash-decoding): with few sequences, B × kv_heads programs cannot fill
-#   a GPU; cutting each context into `num_splits` chunks gives more programs, each writing
-#   a partial output and its log-sum-exp, merged by a small second kernel.
+#   partial output tile by tile (the recurrence of
+#   [FlashAttention](https://arxiv.org/abs/2205.14135)).
+# * **Split-K** ([Flash-Decoding](https://crfm.stanford.edu/2023/10/12/flashdecoding.html)):
+#   with few sequences, B × kv_heads programs cannot fill a GPU; cutting each context
+#   into `num_splits` chunks gives more programs, each writing a partial output and its
+#   log-sum-exp, merged by a small second kernel.
 
 # %% [markdown]
 # ## 3 · Kernel = reference, for every codec
@@ -259,8 +264,9 @@ for kv_codec in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
 #
 # On a GPU this cell measures the Triton kernel live (SmolLM2's layer shape, bf16, and
 # int8 K/V). Without one it plots the results `benchmarks/gpu_check.py` committed from a
-# GPU run, if there are any; otherwise it measures the CPU's torch reference, which is
-# what a CPU runs for decode attention.
+# GPU run, if there are any; otherwise it measures the CPU's torch reference (what a CPU
+# runs for int8 K/V; for float K/V kvlab runs its native C kernel, `kvlab profile`
+# measures it).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -336,8 +342,8 @@ roofline_figure(points, copy["gb_s"], title)
 # The roofline is only as good as the copy bandwidth under it, and that figure belongs to
 # the machine and the moment: how many memory channels the CPU (or the VM's share of it)
 # has, how many threads the copy uses, and what else competes for the memory bus while it
-# runs. The stored run measured 39.64<!-- out --> GB/s on a quiet 2-core VM (AMD EPYC;
-# its load average is printed at the end of this notebook). Earlier runs of this notebook
+# runs. The stored run measured 39.64<!-- out --> GB/s on a 2-core VM (AMD EPYC; its
+# load average, printed at the end of this notebook, was about 1.6). Earlier runs of this notebook
 # on 2-core VMs of the same kind, while other jobs kept them busy, measured a quarter of
 # that and less, and every "fraction of the copy bandwidth" below moves with it. Quote a
 # roofline with its machine and its load. Three more copies now, to see how much the

@@ -28,7 +28,10 @@
 # drafts k tokens; the model computes the pending token *and* the k drafts in one
 # forward; the logits at each position say which drafts the model agrees with. The
 # accepted drafts and one more token from the model are emitted, so one forward yields
-# 1 to k + 1 tokens, and greedy outputs are **exactly** those of ordinary decoding.
+# 1 to k + 1 tokens, and greedy outputs are **exactly** those of ordinary decoding
+# ([Leviathan et al.](https://arxiv.org/abs/2211.17192) and
+# [Chen et al.](https://arxiv.org/abs/2302.01318) prove that rejection sampling keeps
+# sampled outputs' distribution too).
 #
 # What this means for the KV cache: the drafts' K/V are written into slots (in a paged
 # cache, perhaps into blocks allocated just for them) before anyone knows whether they

@@ -332,8 +332,6 @@ print("streamed: blocks loaded back from the host tier:", itl["loaded_blocks"])
 per_step = itl["bytes_per_step"]
 print(f"held in host: {per_step:,} bytes = {per_step // itl['block_bytes']} blocks copied per "
       "decode step (median)")  # fmt: skip
-for gb_s, seconds in itl["projection_s"].items():
-    print(f"  WHAT-IF, not measured: a {gb_s} GB/s link moves them in {seconds * 1e6:.0f} µs")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -345,10 +343,7 @@ viz.itl_figure(itl)
 # that step costs about what section 4's host-to-device copy per block costs, times the
 # request's blocks, and the steps after it are device steps again. Holding the KV in host
 # memory moves the whole context of every running request at every step: in the median
-# step 26,542,080<!-- out --> bytes here (in and out), growing with the context. Over a
-# real link that is a projection, not a measurement: 1062<!-- out --> µs a step at
-# 25 GB/s, 265<!-- out --> µs at 100 GB/s, paid at every step; a tier pays the link once
-# per block that comes back.
+# step 26,542,080<!-- out --> bytes here (in and out), growing with the context.
 #
 # **Check yourself.** The held case copies the blocks printed above at every step. How
 # many microseconds would a 25 GB/s link take to move them (bandwidth only)?
@@ -357,6 +352,15 @@ viz.itl_figure(itl)
 my_copy_us = None  # your answer: microseconds per step
 ask("10.copy-time", my_copy_us, blocks=per_step // itl["block_bytes"],
     block_bytes=itl["block_bytes"], link_gb_s=25)  # fmt: skip
+
+# %%
+for gb_s, seconds in itl["projection_s"].items():
+    print(f"WHAT-IF, not measured: a {gb_s} GB/s link moves them in {seconds * 1e6:.0f} µs")
+
+# %% [markdown]
+# Over a real link that is a projection, not a measurement: 1062<!-- out --> µs a step
+# at 25 GB/s, 265<!-- out --> µs at 100 GB/s, paid at every step; a tier pays the link
+# once per block that comes back.
 
 # %% [markdown]
 # ## 6 · The connector, beside vLLM's

@@ -14,8 +14,6 @@
 # ---
 
 # %% [markdown]
-#
-# %% [markdown]
 # # 11 · Long context on a budget: windows, sinks and eviction
 #
 # *Engine files shown here:* `kvlab/cache/retention/` (`base.py`, `full.py`, `window.py`,
@@ -30,7 +28,7 @@
 # - **window**: only the blocks of the last `retention_window` tokens;
 # - **sinks** (StreamingLLM): the first `retention_sinks` tokens too, which models use as
 #   an attention "sink";
-# - **h2o** (heavy hitters): the recent window plus the older blocks that received the
+# - **h2o** (heavy hitters, [H2O](https://arxiv.org/abs/2306.14048)): the recent window plus the older blocks that received the
 #   most attention so far, scored on the torch reference path.
 #
 # This notebook shows the block table as the window slides and the lines that release
@@ -320,5 +318,6 @@ print({key: saved["provenance"][key] for key in ("machine", "command")})
 # - Give h2o more heavy-hitter blocks and less window (`retention_heavy`,
 #   `retention_window`): when does it start keeping the needle?
 # - Put the question *before* the haystack: what does a window keep then?
-# - Read `kvlab/cache/retention/h2o.py` and write a SnapKV-style policy (score the prompt
+# - Read `kvlab/cache/retention/h2o.py` and write a
+#   [SnapKV](https://arxiv.org/abs/2404.14469)-style policy (score the prompt
 #   blocks from the last rows of the prompt only) as one new registered file.

@@ -228,9 +228,10 @@ ask("15.which-flips", my_pick, fp32_change=fp32["max_change"].max(),
 # 1/127 of its scale. The same stored values feed every later step, so one such code
 # changes the logits by orders of magnitude more than the fp32 drift itself (compare the
 # two `max_logit_change` columns). Whether an answer parts then depends on the margins
-# it meets: the table above lists the partings of this run (on some CPUs, in 16 tokens,
-# none), and the saved search, over 16 prompts and 32 tokens each, lists where it found
-# them on its machine:
+# it meets: the table above lists the partings of this run. On the machine of the stored
+# run (AVX-512) it is empty: the int8 logits moved, but no answer parted in 16 tokens.
+# The prompts were chosen by a saved search on another machine (AVX2), over 16 prompts
+# and 32 tokens each, which lists where it found them there:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -36,9 +36,10 @@ def _running_example() -> dict:
     solution="The victim rule is `max(running, key=(-priority, admit_order))`: lowest "
     "priority first, then the most recently admitted. Requests 0, 5 and 2 have priority 0; "
     "of those, 2 was admitted last (order 4): request 2, not 6, the latest of all, which "
-    "has priority 1. vLLM V1's priority policy picks "
-    "the same way (highest priority value, i.e. least urgent, then latest arrival); its "
-    "FCFS policy pops the last of its running list.",
+    "has priority 1. vLLM V1's priority policy also preempts "
+    "the least urgent request, latest arrival first among equals, but its numbers run the "
+    "other way (a lower value is more urgent, so it picks the highest value); its FCFS "
+    "policy pops the last of its running list.",
     hint=_victim_hint,
     example=_running_example,
     wrong=lambda right: 6,  # the most recently admitted of all, ignoring priority

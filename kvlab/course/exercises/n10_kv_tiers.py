@@ -89,14 +89,16 @@ def lru_victim(capacity: int, ops: list[str]) -> str:
 
 
 def _link() -> dict:
-    return {"blocks": 60, "block_bytes": 737_280, "link_gb_s": 25}
+    return {"blocks": 36, "block_bytes": 737_280, "link_gb_s": 25}
 
 
 def _copy_hint(answer, right) -> str:
     if isinstance(answer, (int, float)) and answer and abs(answer / right - 1e-3) < 1e-4:
         return "that is in milliseconds: the answer is asked in microseconds (x 1,000)."
-    if isinstance(answer, (int, float)) and answer and abs(answer * 60 / right - 1) < 0.05:
-        return "that is one block: every block of the context moves, every step."
+    if isinstance(answer, (int, float)) and answer > 0:
+        blocks = right / answer  # an answer for one block is the right one / the blocks
+        if blocks >= 2 and abs(blocks - round(blocks)) < 0.05:
+            return "that is fewer blocks than move: every block of the context, every step."
     return "blocks x block_bytes / (link_gb_s x 1e9 bytes per second), then x 1e6 for µs."
 
 
@@ -105,8 +107,8 @@ def _copy_hint(answer, right) -> str:
     question="KV held in host memory crosses the link every decode step. A step reads "
     "`blocks` blocks of `block_bytes` bytes each; how many microseconds does a link of "
     "`link_gb_s` GB/s take to move them (bandwidth only, no latency)?",
-    solution="blocks x block_bytes / (link_gb_s x 1e9) seconds: 60 x 737,280 bytes = "
-    "44.2 MB, over 25 GB/s 1,769 µs per step, paid again every step "
+    solution="blocks x block_bytes / (link_gb_s x 1e9) seconds: in the stored run 36 x "
+    "737,280 bytes = 26.5 MB, over 25 GB/s 1,062 µs per step, paid again every step "
     "(`experiments.tiers.project_copy`); a KV tier pays it once, when a block comes back.",
     hint=_copy_hint,
     example=_link,
