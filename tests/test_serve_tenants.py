@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -181,9 +182,10 @@ def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model
             async with alice, bob:
                 first = asyncio.ensure_future(alice.post(url, json=long))
                 second = asyncio.ensure_future(alice.post(url, json=long))
-                while on_engine(server, lambda e: not e.has_unfinished()):
-                    await asyncio.sleep(0.01)  # alice's first request runs
-                await asyncio.sleep(0.05)  # and her second waits in her queue
+                waiting, deadline = "kvlab:tenant_requests_queued{tenant=alice,}", time.time() + 30
+                while scrape(server, "kvlab:tenant_requests_queued").get(waiting) != 1:
+                    assert time.time() < deadline, "alice's second request never queued"
+                    await asyncio.sleep(0.01)  # alice's first request runs, her second waits
                 third = await alice.post(url, json=long)
                 answer = await bob.post(url, json={**long, "max_tokens": 2, "stream": False})
                 firsts = [r.status_code for r in await asyncio.gather(first, second)]

@@ -56,7 +56,7 @@ def build_app(
     """The app serving `loop`'s engine under the name `model_name`."""
     tenants, limits = tenants or Tenants(), limits or ServeLimits()
     app = FastAPI(title="kvlab serve", docs_url=None, redoc_url=None)
-    gate, created = TenantGate(limits), int(time.time())
+    created = int(time.time())
     max_model_len = loop.engine.max_model_len
 
     async def handle(request: Request, kind: str) -> Response:
@@ -85,7 +85,6 @@ def build_app(
             return error_response(str(busy), 429, headers=headers)
         if slot is None:
             return Response(status_code=CLIENT_CLOSED)
-        places(tenant)
         return await serve(request, job, slot, disconnect)
 
     async def serve(request: Request, job: Job, slot: Slot, disconnect) -> Response:
@@ -104,7 +103,7 @@ def build_app(
                 return error_response(verdict.message, verdict.status)
             if job.stream:
                 streaming = True
-                return EventStream(job, channel, loop, on_close=lambda: leave(slot))
+                return EventStream(job, channel, loop, on_close=slot.release)
             try:
                 body = await collect(job, channel, loop, request)
             except ClientGone:
@@ -118,14 +117,12 @@ def build_app(
             return error_response(f"serving failed: {type(error).__name__}: {error}", 500)
         finally:
             if not streaming:
-                leave(slot)
-
-    def leave(slot: Slot) -> None:
-        slot.release()
-        places(slot.tenant)
+                slot.release()
 
     def places(tenant: str | None) -> None:
         metrics.tenants.places(tenant, gate.running[tenant], gate.queued[tenant])
+
+    gate = TenantGate(limits, on_change=places)  # the gauges follow every change
 
     for kind, path in PATHS.items():
         app.add_api_route(

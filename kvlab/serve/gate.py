@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 
 from kvlab.serve.limits import ServeLimits
 from kvlab.serve.protocol import BadRequest
@@ -41,8 +42,13 @@ class Slot:
 
 
 class TenantGate:
-    def __init__(self, limits: ServeLimits):
-        self.limits = limits
+    """`on_change(tenant)` runs whenever that tenant's running or queued count changes
+    (the server's gauges follow it, a waiting request included)."""
+
+    def __init__(
+        self, limits: ServeLimits, on_change: Callable[[str | None], None] = lambda _t: None
+    ):
+        self.limits, self.on_change = limits, on_change
         self.running: Counter = Counter()  # tenant -> requests holding a slot
         self.queued: Counter = Counter()  # tenant -> requests waiting for one
         self._slots: dict[str | None, asyncio.Semaphore] = {}
@@ -53,6 +59,7 @@ class TenantGate:
         limit = self.limits.tenant_max_running
         if limit is None:
             self.running[tenant] += 1
+            self.on_change(tenant)
             return Slot(self, tenant)
         semaphore = self._slots.setdefault(tenant, asyncio.Semaphore(limit))
         most = self.limits.tenant_max_queued
@@ -64,6 +71,7 @@ class TenantGate:
                 self.limits.retry_after_s,
             )
         self.queued[tenant] += 1
+        self.on_change(tenant)
         acquire = asyncio.ensure_future(semaphore.acquire())
         try:
             await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -74,6 +82,7 @@ class TenantGate:
             raise
         finally:
             self.queued[tenant] -= 1
+            self.on_change(tenant)
         if not acquire.done():  # the client left first
             acquire.cancel()  # the semaphore hands on a wake-up it got meanwhile
             return None
@@ -81,9 +90,11 @@ class TenantGate:
             semaphore.release()
             return None
         self.running[tenant] += 1
+        self.on_change(tenant)
         return Slot(self, tenant)
 
     def _leave(self, tenant: str | None) -> None:
         self.running[tenant] -= 1
+        self.on_change(tenant)
         if tenant in self._slots:
             self._slots[tenant].release()
