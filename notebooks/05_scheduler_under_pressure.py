@@ -247,9 +247,10 @@ cost_figure(costs).show()
 # %% [markdown]
 # On a CPU "host memory" is the same memory, so swap costs two memcpys and recompute a
 # prefill: swap wins by far (tens of times at the longest victim here), and for short
-# victims its copies sit below the decode steps' own spread. On a GPU server the picture changes in scale. The swap goes over PCIe
-# (about 25 GB/s for PCIe 4.0 x16, 50 for 5.0), while the prefill that recompute runs
-# instead is compute-bound, about 2 FLOP per parameter per token.
+# victims its copies sit below the decode steps' own spread. On a GPU server the picture
+# changes in scale. The swap goes over PCIe (about 25 GB/s for PCIe 4.0 x16, 50 for 5.0),
+# while the prefill that recompute runs instead is compute-bound, about 2 FLOP per
+# parameter per token.
 #
 # **Check yourself.** Llama-3-8B (32 layers, 8 KV heads of 128, bf16 KV) is serving a
 # 1,000-token victim. How many milliseconds does swapping it out to host memory and back

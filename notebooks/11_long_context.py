@@ -28,8 +28,9 @@
 # - **window**: only the blocks of the last `retention_window` tokens;
 # - **sinks** (StreamingLLM): the first `retention_sinks` tokens too, which models use as
 #   an attention "sink";
-# - **h2o** (heavy hitters, [H2O](https://arxiv.org/abs/2306.14048)): the recent window plus the older blocks that received the
-#   most attention so far, scored on the torch reference path.
+# - **h2o** (heavy hitters, [H2O](https://arxiv.org/abs/2306.14048)): the recent window
+#   plus the older blocks that received the most attention so far, scored on the torch
+#   reference path.
 #
 # This notebook shows the block table as the window slides and the lines that release
 # its blocks, what happens to positions and to prefix sharing, the memory held against
