@@ -56,8 +56,15 @@ class BatchAPI:
         Returns one output per request, in order. All requests are validated first.
         `ignore_eos` makes every request produce exactly its max_new_tokens (benchmarks).
         """
+        return self._drain(self.workload_sequences(requests, ignore_eos=ignore_eos), progress)
+
+    def workload_sequences(
+        self, requests: Seq[Request], *, ignore_eos: bool = False
+    ) -> list[Sequence]:
+        """The sequences `run` serves for `requests`, each validated, none queued yet:
+        request i arrives `arrival_s` after this call."""
         offset = self.clock()
-        seqs = [
+        return [
             self.make_sequence(
                 r.prompt,
                 SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=ignore_eos),
@@ -68,7 +75,6 @@ class BatchAPI:
             )
             for r in requests
         ]
-        return self._drain(seqs, progress)
 
     def _drain(self, seqs: list[Sequence], progress: bool) -> list[RequestOutput]:
         """Queue `seqs` and step until all of them are finished."""

@@ -31,7 +31,6 @@ import pandas as pd
 from kvlab.build import Engine
 from kvlab.cache.allocator import BlockAllocator
 from kvlab.cache.base import KVCache
-from kvlab.config import SamplingParams
 from kvlab.engine.outputs import RequestOutput
 from kvlab.integrity import require
 from kvlab.units import ceil_div
@@ -67,18 +66,10 @@ def trace_waste(
     Returns the outputs in request order and one row per (step, running sequence) with
     TRACE_COLUMNS; `step` numbers the engine's telemetry rows (`engine.stats()["step"]`).
     """
-    offset = engine.clock()
-    ids = [
-        engine.add_request(
-            r.prompt,
-            SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=ignore_eos),
-            arrival_s=offset + r.arrival_s,
-            salt=r.salt,
-            priority=r.priority,
-            session=r.session,
-        )
-        for r in requests
-    ]
+    seqs = engine.workload_sequences(requests, ignore_eos=ignore_eos)
+    for seq in seqs:
+        engine.enqueue(seq)
+    ids = [seq.request_id for seq in seqs]
     outputs: dict[int, RequestOutput] = {}
     rows: list[dict] = []
     while any(i not in outputs for i in ids):
