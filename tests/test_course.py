@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -66,3 +67,30 @@ def test_the_committed_answer_key_is_current():
     assert (NOTEBOOKS / "ANSWERS.md").read_text() == render(), (
         "run: python -m kvlab.course.answers > notebooks/ANSWERS.md"
     )
+
+
+_SHOWN = re.compile(
+    r"^`((?:kvlab|kernels)/[^`]+)`, lines (\d+)-(\d+):\n\n```python\n(.*)\n```$", re.S
+)
+
+
+def _shown_sources():
+    """(notebook, path, first, last, code) for every stored show_source output."""
+    for path in sorted([*NOTEBOOKS.glob("*.ipynb"), *NOTEBOOKS.glob("labs/source/*/*.ipynb")]):
+        for cell in json.loads(path.read_text())["cells"]:
+            for out in cell.get("outputs", []):
+                text = "".join(out.get("data", {}).get("text/markdown", ""))
+                if m := _SHOWN.match(text):
+                    yield path.name, m[1], int(m[2]), int(m[3]), m[4]
+
+
+def test_every_stored_show_source_output_is_the_library_s_current_lines():
+    """A library change that moves or edits shown lines fails here in seconds, not in the
+    browser test's re-execution of the notebook half an hour into `make test`."""
+    shown = list(_shown_sources())
+    assert len(shown) > 20  # the pattern still matches what show_source prints
+    for name, where, a, b, code in shown:
+        lines = (ROOT / where).read_text(encoding="utf-8").splitlines()[a - 1 : b]
+        indent = min((len(s) - len(s.lstrip()) for s in lines if s.strip()), default=0)
+        now = "\n".join(s[indent:] for s in lines)
+        assert now == code, f"{name}: {where} lines {a}-{b} changed; re-run its show_source cell"

@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,6 +174,15 @@ def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model
     limits = ServeLimits(tenant_max_running=1, tenant_max_queued=1, retry_after_s=3)
     engine = kvlab.Engine(tiny_model, engine_config("paged+prefix", max_model_len=256))
     long = {"prompt": [7, 8, 9], "max_tokens": 250, "ignore_eos": True, "stream": True}
+    # The engine takes no step until the test has seen alice's second request queued and her
+    # third refused: her first request holds its place however fast the machine decodes.
+    go, step = threading.Event(), engine.step
+
+    def step_when_let():
+        go.wait(timeout=60)
+        return step()
+
+    engine.step = step_when_let
     with ServerThread(engine, tenants=KEYS, limits=limits) as server:
         url = f"{server.url}/v1/completions"
 
@@ -187,6 +197,7 @@ def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model
                     assert time.time() < deadline, "alice's second request never queued"
                     await asyncio.sleep(0.01)  # alice's first request runs, her second waits
                 third = await alice.post(url, json=long)
+                go.set()
                 answer = await bob.post(url, json={**long, "max_tokens": 2, "stream": False})
                 firsts = [r.status_code for r in await asyncio.gather(first, second)]
                 return third, answer, firsts
