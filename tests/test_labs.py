@@ -500,7 +500,9 @@ def test_each_source_marks_its_solution_and_has_one_test_cell_per_check(name):
     assert tagged == [None] + [m for _, m in tests]
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The capstone's source serves SmolLM2-135M (30 s): nbval runs it in `make test`, and so does
+# the nbgrader workflow's solved submission; its grader is tested here on the tiny model.
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "10_capstone"])
 def test_each_source_runs_and_passes_every_check(name):
     namespace, raised = _run_cells(_source(name), name)
     assert not raised, raised
