@@ -243,7 +243,7 @@ for kv_codec in ("int8",):  # add None or "fp8_e4m3" (each costs ~20 s on a CPU)
         engine = kvlab.Engine(model, config)
         if path == "kernel":
             attention = KernelAttention(engine.cache.block_size, backend="triton")
-            engine.runner.attention_fn = attention
+            engine.runner.use_attention(attention)
         [out] = engine.generate([prompt], params)
         outputs[path] = out.token_ids
     print(

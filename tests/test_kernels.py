@@ -278,7 +278,7 @@ def test_engine_decodes_the_same_tokens_through_the_kernels(tiny_model, kv_codec
         )
         if path == "kernels":
             attn = KernelAttention(engine.cache.block_size, backend=backend)
-            engine.runner.attention_fn = attn
+            engine.runner.use_attention(attn)
         outputs[path] = [o.token_ids for o in engine.generate(prompts, params)]
     assert attn.decode_calls == 4 * 2  # 4 decode steps x 2 layers
     assert outputs["kernels"] == outputs["torch"]

@@ -266,7 +266,7 @@ def test_scored_attention_returns_the_same_output_and_counts_all_mass(tiny_model
     meta = build_attention_metadata([0, 0], [40, 30], [[0, 1, 2], [4, 5]], 16, runner.device)
     ids = torch.tensor(PROMPT[:40] + PROMPT[50:80])
     expected = runner.forward(ids, meta, pool)
-    runner.attention_fn = ScoredAttention(pooled_attention, scores, 16, rows=4)
+    runner.use_attention(ScoredAttention(pooled_attention, scores, 16, rows=4))
     got = runner.forward(ids, meta, pool)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     layers, heads = runner.kv_spec.num_layers, runner.num_heads

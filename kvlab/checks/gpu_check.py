@@ -91,7 +91,7 @@ def engine_vs_hf(quick: bool, model_path: str | None) -> dict:
     def run_engine(kernels: bool) -> float:
         engine = kvlab.Engine(model, config)
         if kernels:
-            engine.runner.attention_fn = KernelAttention(engine.cache.block_size, backend="triton")
+            engine.runner.use_attention(KernelAttention(engine.cache.block_size, backend="triton"))
         engine.generate(prompts[:2], kvlab.SamplingParams(max_new_tokens=2, ignore_eos=True))
         _sync()
         start = time.perf_counter()

@@ -24,6 +24,7 @@ import torch
 from kvlab.config import EngineConfig
 from kvlab.engine.batch_api import BatchAPI
 from kvlab.engine.isolation import group_of, run_isolated, tainted
+from kvlab.engine.observers import StepObservers
 from kvlab.engine.outputs import RequestOutput
 from kvlab.engine.parts import EngineParts
 from kvlab.engine.postprocess import Postprocess
@@ -49,6 +50,7 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
         self.scheduler = Scheduler(config, self.cache)
         self.sessions = Sessions(config.session_ttl_s)
         self.telemetry = Telemetry()
+        self.observers = StepObservers()  # who watches the steps (observers.py)
         self.eos_ids = eos_ids(model)
         self.finished: list[RequestOutput] = []  # every finished request, in finish order
         self._next_id = 0
@@ -67,8 +69,13 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
     # --- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule a batch, compute it, post-process what it computed; returns
-        the requests that finished."""
-        now = self.clock()
+        the requests that finished. Its observers are called at its named points."""
+        self.observers.notify("before_schedule")
+        finished = self._step(self.clock())
+        self.observers.notify("after_step", finished)
+        return finished
+
+    def _step(self, now: float) -> list[RequestOutput]:
         self._before_schedule(now)
         batch = self.scheduler.schedule(now)
         if batch is None:
@@ -79,6 +86,7 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
         ran, logits, failed = run_isolated(self._compute, batch)  # a failing row fails alone
         finished = self._fail(ran, failed, now) if failed else []
         ran, logits = _still_running(ran, logits, self.scheduler.running)
+        self.observers.notify("after_compute", ran, logits)
         finished += self._postprocess(ran, logits)
         self._record(batch if failed else ran, time.perf_counter() - started)
         return finished

@@ -68,18 +68,15 @@ def step_of(logits: torch.Tensor, token: int) -> Step:
 
 def record_logits(engine: Engine) -> dict[int, list[torch.Tensor]]:
     """From now on, each request's logits at every token it samples, by request id:
-    (vocab,) float32 tensors in step order. Wraps the engine's forward step."""
+    (vocab,) float32 tensors in step order. An observer of the engine's steps."""
     seen: dict[int, list[torch.Tensor]] = {}
-    forward = engine._compute
 
-    def recorded(batch):
-        logits = forward(batch)
+    def record(batch, logits) -> None:
         for (seq, n), rows in zip(batch, logits):
             if seq.num_computed + n >= seq.num_tokens:  # the prompt is in: a token follows
                 seen.setdefault(seq.request_id, []).append(rows[-1].clone())
-        return logits
 
-    engine._compute = recorded
+    engine.observers.subscribe("after_compute", record)
     return seen
 
 

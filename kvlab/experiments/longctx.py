@@ -148,7 +148,7 @@ def score(
     if cache.retention.observes_attention:
         from kvlab.model.scored_attention import ScoredAttention
 
-        runner.attention_fn = ScoredAttention(attention, cache.retention.scores, cache.block_size)
+        runner.use_attention(ScoredAttention(attention, cache.retention.scores, cache.block_size))
     tokens = torch.tensor(ids, dtype=torch.long, device=runner.device)
     nll, held, fed, kept_logits = [], [], [], []
     try:
@@ -170,7 +170,7 @@ def score(
             fed.append(end)
         cache.check_integrity()
     finally:
-        runner.attention_fn = attention
+        runner.use_attention(attention)
         cache.free(seq)
     return Scored(torch.cat(nll), held, fed, torch.cat(kept_logits) if keep_logits else None)
 

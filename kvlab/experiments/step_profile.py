@@ -145,12 +145,14 @@ def profile_steps(
     engine = Engine(model, config)
     clock = _Clock()
     rows = []
-    step = engine.step
+    start = 0.0
 
-    def timed_step():
+    def step_starts() -> None:
+        nonlocal start
         clock.spent.clear()
         start = time.perf_counter()
-        finished = step()
+
+    def step_ends(finished) -> None:
         step_s = time.perf_counter() - start
         if engine.telemetry.records and clock.spent["forward"] > 0:
             record = engine.telemetry.records[-1]
@@ -166,14 +168,13 @@ def profile_steps(
                     **{f"{part} ms": 1e3 * parts[part] for part in PARTS},
                 }
             )
-        return finished
 
-    engine.step = timed_step
+    engine.observers.subscribe("before_schedule", step_starts)
+    engine.observers.subscribe("after_step", step_ends)
     try:
         with _instrumented(engine, clock):
             engine.run(requests, ignore_eos=ignore_eos, progress=progress)
     finally:
-        del engine.step
         engine.close()
     return pd.DataFrame(rows)
 

@@ -1,6 +1,6 @@
 """The kernel path for ModelRunner: decode steps through kvlab.kernels, the rest in torch.
 
-    runner.attention_fn = KernelAttention(cache.block_size)
+    runner.use_attention(KernelAttention(cache.block_size))
 
 ModelRunner calls `attention_fn(q, layer, pool, meta, scale)` after writing the step's
 K/V to the pool. KernelAttention sends a pure decode step (one new token per sequence)

@@ -138,6 +138,12 @@ class ModelRunner:
             weights += [w.qkv, w.o, w.gate_up, w.down]
         return Linears(weights)
 
+    def use_attention(self, fn: AttentionFn) -> AttentionFn:
+        """Compute attention with `fn` from now on (another backend, a wrapper that scores
+        what each query reads); returns the one it replaces, to put back."""
+        previous, self.attention_fn = self.attention_fn, fn
+        return previous
+
     @staticmethod
     def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp

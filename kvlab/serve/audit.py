@@ -49,14 +49,7 @@ class TenantAudit:
 
     def install(self, engine: Engine) -> TenantAudit:
         """Audit `engine` after each of its steps (call before its loop starts)."""
-        step = engine.step
-
-        def audited_step():
-            finished = step()
-            self.check(engine)
-            return finished
-
-        engine.step = audited_step
+        engine.observers.subscribe("after_step", lambda finished: self.check(engine))
         return self
 
     def check(self, engine: Engine) -> None:
