@@ -84,7 +84,7 @@ def build_parts(
         close()
         raise
     if runner is None:
-        retention = getattr(cache, "retention", None)  # H2O scores what attention reads
+        retention = cache.retention  # H2O scores what attention reads
         scores = retention.scores if retention and retention.observes_attention else None
         attention = build_attention(config, cache.block_size, scores)
         runner = ModelRunner(hf, attention, batch_invariant=config.batch_invariant)

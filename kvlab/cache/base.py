@@ -16,6 +16,10 @@ guards:
     admissions        the EngineConfig.admission policies it implements, its default first
     emits_events      `from_config(..., events=sink)`: its prefix index reports what it
                       stores and removes (kvlab.cache.events, vLLM's KV events)
+
+and the parts a variant may hold, None where it has none: `index` (its prefix index, whose
+`keys` a session uses to forget its prefixes), `retention` (the policy that drops tokens;
+H2O scores what attention reads) and `connector` (the tiers below the device).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from kvlab.cache.spec import KVSpec
 from kvlab.sequence import Sequence
 
 if TYPE_CHECKING:
+    from kvlab.cache.connector import KVConnector
+    from kvlab.cache.prefix.base import PrefixIndex
+    from kvlab.cache.retention.base import RetentionPolicy
     from kvlab.config import EngineConfig
 
 
@@ -60,6 +67,9 @@ class KVCache(ABC):
     swaps: ClassVar[bool] = False
     emits_events: ClassVar[bool] = False
     admissions: ClassVar[tuple[str, ...]] = ("reserve",)
+    index: PrefixIndex | None = None
+    retention: RetentionPolicy | None = None
+    connector: KVConnector | None = None
 
     def __init__(self, pool: KVPool, block_size: int, max_model_len: int, poison_freed: bool):
         if pool.num_slots % block_size:

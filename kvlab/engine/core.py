@@ -95,7 +95,7 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
         """Sessions past their TTL end; tiers prefetch queued requests' blocks; speculation
         plans each decoding sequence's drafts."""
         self.sessions.expire(now, self.cancel, self.cache)
-        connector = getattr(self.cache, "connector", None)
+        connector = self.cache.connector
         if connector is not None and connector.stack.load.prefetch:
             connector.prefetch(self.scheduler.waiting, now)
         if self.speculator:

@@ -76,7 +76,7 @@ def _run(attempt: Callable, batch) -> tuple[dict, list[Failure]]:
 def tainted(cache, failed: list[Sequence], rows: list[Sequence]) -> list[Sequence]:
     """Rows that share a block a failed (or tainted) row was to compute in this step:
     what they read there was never written. Most recently admitted first."""
-    if not getattr(cache, "shares_prefixes", False):
+    if not cache.shares_prefixes:
         return []
     unwritten, out = set(), []
     pending = list(failed)

@@ -86,8 +86,8 @@ class Sessions:
             raise ValueError(f"session_id={session_id!r} is unknown (or has ended already)")
         cancelled = sum(cancel(rid) for rid in sorted(self.records[session_id].live))
         record = self.records.pop(session_id)
-        keyer = getattr(cache, "index", None)  # the hash index's own keys (algo, seed)
-        keyer = keyer if hasattr(keyer, "keys") else HashPrefixIndex(cache.block_size)
+        keyer = cache.index  # the hash index's own keys (algo, seed); else the default's
+        keyer = keyer if isinstance(keyer, HashPrefixIndex) else HashPrefixIndex(cache.block_size)
         keep = {
             key
             for other in self.records.values()

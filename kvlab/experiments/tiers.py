@@ -246,7 +246,7 @@ def snapshot(engine) -> list[dict]:
             continue
         where = "device (used)" if refs else "device (cached)"
         rows.append({"tier": where, "block": block, "session": owners.get(key_of.get(block), "-")})
-    connector = getattr(cache, "connector", None)
+    connector = cache.connector
     for tier in connector.stack.tiers if connector is not None else ():
         for i, key in enumerate(tier.keys()):
             rows.append({"tier": tier.name, "block": i, "session": owners.get(key, "-")})

@@ -266,8 +266,7 @@ class ServeMetrics:
         self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
         self.swapped.set(len(scheduler.swapped))
         self.kv_usage.set((cache.num_blocks - cache.num_available) / cache.num_blocks)
-        allocator = getattr(cache, "allocator", None)
-        self.cached_blocks.set(allocator.num_cached if allocator else 0)
+        self.cached_blocks.set(cache.allocator.num_cached if cache.shares_prefixes else 0)
         self.free_blocks.set(cache.num_available)
         self.preemptions.inc(scheduler.preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.preemptions
