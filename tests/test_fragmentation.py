@@ -35,8 +35,7 @@ def _fill(cache) -> None:
     """Admit three sequences and mark WRITTEN tokens of each as stored."""
     for i, n in enumerate(WRITTEN):
         seq = Sequence(i, [1] * n, SamplingParams(max_new_tokens=4))
-        cache.admit(seq)
-        cache.ensure_capacity(seq, n)
+        cache.allocate_slots(seq)
         seq.num_computed = n
 
 

@@ -278,8 +278,7 @@ def test_the_rollback_reference_is_kvlabs_rewind():
     # the same as the real cache's rewind, which Speculator.rollback calls
     cache = _paged(4, 8)
     seq = Sequence(0, [1] * 13, SamplingParams(max_new_tokens=1))
-    cache.admit(seq)
-    cache.ensure_capacity(seq, 13)
+    cache.allocate_slots(seq)
     seq.num_computed = 13
     table = list(cache.block_table(seq))
     assert cache.rewind(seq, 13 - (8 - 2)) == 2
@@ -301,7 +300,7 @@ def test_the_window_reference_is_what_the_paged_cache_drops(window, sinks):
     args = (window, sinks) if sinks else (window,)
     cache = _paged(block_size, 32, RETENTION[name](block_size, 32, *args))
     seq = Sequence(0, [1] * 10, SamplingParams(max_new_tokens=40))
-    cache.admit(seq)
+    cache.allocate_slots(seq, 0)
     mirror: list[int] = []  # the table as the lab's reference releases it
     for grow in [10, 1, 1, 3, 1, 1, 1, 4, 1, 1, 1, 1, 1, 8, 1, 1]:
         seq.num_computed += grow

@@ -20,10 +20,9 @@ def test_regions_are_reserved_whole_and_returned():
     cache = NaiveCache(pool, max_model_len=16)
     seqs = [_seq(i) for i in range(4)]
     for seq in seqs[:3]:
-        assert cache.can_admit(seq)
-        cache.admit(seq)
+        assert cache.allocate_slots(seq) is not None
         cache.check_integrity()
-    assert not cache.can_admit(seqs[3])
+    assert cache.allocate_slots(seqs[3]) is None and seqs[3].request_id not in cache.sequences
     assert [cache.block_table(s) for s in seqs[:3]] == [[0], [1], [2]]
     seqs[0].num_computed = 10
     memory = cache.memory()
@@ -33,9 +32,7 @@ def test_regions_are_reserved_whole_and_returned():
     assert memory.waste_bytes == (48 - 10) * per_token
     cache.free(seqs[1])
     cache.check_integrity()
-    assert cache.can_admit(seqs[3])
-    cache.admit(seqs[3])
-    assert cache.block_table(seqs[3]) == [1]
+    assert cache.allocate_slots(seqs[3]) == [1]
     for seq in (seqs[0], seqs[2], seqs[3]):
         cache.free(seq)
     cache.check_integrity()

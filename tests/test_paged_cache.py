@@ -38,7 +38,7 @@ def test_allocator_refcounts_and_errors():
 def test_a_new_block_only_when_the_last_is_full():
     cache = _cache(num_blocks=8, block_size=4)
     seq = Sequence(0, [1] * 5, SamplingParams(max_new_tokens=10))
-    cache.admit(seq)
+    assert cache.allocate_slots(seq, 0) == []  # admitted, no token's block taken yet
     for tokens, blocks in [(1, 1), (4, 1), (5, 2), (8, 2), (9, 3)]:
         cache.ensure_capacity(seq, tokens)
         assert len(cache.block_table(seq)) == blocks
@@ -51,10 +51,11 @@ def test_admission_counts_the_worst_case():
     cache = _cache(num_blocks=4, block_size=4)  # 16 slots
     a = Sequence(0, [1] * 6, SamplingParams(max_new_tokens=2))  # 8 tokens: 2 blocks
     b = Sequence(1, [1] * 6, SamplingParams(max_new_tokens=6))  # 12 tokens: 3 blocks
-    cache.admit(a)
-    assert not cache.can_admit(b)  # 2 + 3 > 4, though no block is held yet
+    cache.allocate_slots(a, 0)
+    assert cache.allocate_slots(b) is None  # 2 + 3 > 4, though no block is held yet
+    assert b.request_id not in cache.sequences and cache.allocator.num_used == 0  # untouched
     cache.free(a)
-    assert cache.can_admit(b)
+    assert len(cache.allocate_slots(b)) == 2  # the prompt's 6 tokens, in 2 blocks
     huge = Sequence(2, [1] * 10, SamplingParams(max_new_tokens=10))
     with pytest.raises(ValueError, match="needs 5 blocks .* only 4 blocks"):
         cache.check_fits(huge)
@@ -79,9 +80,7 @@ def test_random_admit_grow_finish_keeps_every_invariant(block_size, num_blocks, 
             prompt = 1 + r % (num_blocks * block_size // 2)
             seq = Sequence(next_id, [1] * prompt, SamplingParams(max_new_tokens=1 + r % 7))
             next_id += 1
-            if cache.can_admit(seq):
-                cache.admit(seq)
-                cache.ensure_capacity(seq, prompt)
+            if cache.allocate_slots(seq) is not None:
                 seq.num_computed = prompt
                 running.append(seq)
         elif op == "grow" and running:

@@ -176,8 +176,7 @@ def test_random_sharing_keeps_invariants_and_contents(kind, block_size, num_bloc
             seq = Sequence(step, prompt, SamplingParams(max_new_tokens=1 + r % 6))
             seq.salt = f"s{family % 2}"
             salt_id = family % 2
-            if cache.can_admit(seq):
-                cache.admit(seq)
+            if cache.allocate_slots(seq) is not None:
                 _poke(cache, seq, salt_id, seq.num_computed, len(prompt))
                 cache.publish(seq)
                 running.append((seq, salt_id))

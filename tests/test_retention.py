@@ -206,8 +206,7 @@ def test_a_dropped_block_leaves_the_index_and_goes_back_to_the_free_list(tiny_mo
     engine = kvlab.Engine(tiny_model, config)
     cache = engine.cache
     seq = engine.make_sequence(PROMPT[:64], SamplingParams(max_new_tokens=4))
-    cache.admit(seq, alone=True)
-    cache.ensure_capacity(seq, 64)
+    cache.allocate_slots(seq, alone=True)
     cache.publish(seq, 64)
     first = list(cache.block_table(seq))
     assert all(b in cache.index for b in first)
@@ -229,12 +228,11 @@ def test_a_shared_block_survives_one_holders_drop(tiny_model):
     engine = kvlab.Engine(tiny_model, config)
     cache = engine.cache
     a = engine.make_sequence(PROMPT[:64], SamplingParams(max_new_tokens=4))
-    cache.admit(a, alone=True)
-    cache.ensure_capacity(a, 64)
+    cache.allocate_slots(a, alone=True)
     a.num_computed = 64
     cache.publish(a)
     b = engine.make_sequence(PROMPT[:64] + [3, 4], SamplingParams(max_new_tokens=4))
-    cache.admit(b)
+    cache.allocate_slots(b)
     shared = cache.block_table(b)[:8]
     assert shared == cache.block_table(a)[:8]
     cache.retain(a)

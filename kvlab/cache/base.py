@@ -104,20 +104,21 @@ class KVCache(ABC):
         """Raise ValueError if `seq` could never be served within this cache's budget."""
 
     @abstractmethod
-    def can_admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> bool:
-        """Whether `seq` can be admitted now without endangering running sequences.
+    def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> object | None:
+        """How `seq` is admitted now (the variant's plan, for `_allocate`), or None when it
+        cannot be without endangering running sequences.
 
         `alone`: no sequence is running (headroom kept for running ones is not needed).
         `chunk`: the most tokens `seq` computes in its first step (None: all it has); a
         cache that takes blocks as tokens arrive needs room for those only."""
 
     def stage(self, seq: Sequence) -> None:  # noqa: B027  (only tiered caches stage)
-        """Bring what `seq` may reuse onto the device before `can_admit` is asked (a tiered
+        """Bring what `seq` may reuse onto the device before admission is decided (a tiered
         cache loads its held prefix blocks back). Never takes memory running sequences hold."""
 
     @abstractmethod
-    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
-        """Reserve what this variant reserves at admission."""
+    def _allocate(self, seq: Sequence, plan: object, chunk: int | None) -> None:
+        """Take what `_plan` planned for `seq`: what this variant reserves at admission."""
 
     @abstractmethod
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
@@ -158,13 +159,29 @@ class KVCache(ABC):
         """Raise IntegrityError naming the broken invariant, if any."""
 
     # --- shared behaviour ----------------------------------------------------------
-    def admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> None:
-        """Give `seq` what it needs to start (after `can_admit(seq, alone, chunk)` said
-        yes)."""
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int | None = None, alone: bool = False
+    ) -> list[int] | None:
+        """Admit `seq` with its prefix hit and the blocks for its next `num_new_tokens`
+        tokens (None: all it has pending) -> its block table; or None, and no block taken.
+
+        vLLM's KVCacheManager.allocate_slots for a new request: deciding and taking are one
+        call, so nothing can change between them (a tiered cache loads what a tier holds of
+        the prompt first, as cached blocks, and the decision counts them). `alone`: no
+        sequence is running (the headroom kept for running ones is not needed). A running
+        sequence grows with `blocks_needed` and `ensure_capacity` (the scheduler preempts
+        between them)."""
         if seq.request_id in self.sequences:
             raise ValueError(f"request {seq.request_id} is already admitted")
-        self._allocate(seq, alone, chunk)
+        self.stage(seq)
+        plan = self._plan(seq, alone, num_new_tokens)
+        if plan is None:
+            return None
+        self._allocate(seq, plan, num_new_tokens)
         self.sequences[seq.request_id] = seq
+        pending = seq.num_pending if num_new_tokens is None else num_new_tokens
+        self.ensure_capacity(seq, seq.num_computed + min(pending, seq.num_pending))
+        return self.block_table(seq)
 
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (idempotent for sequences never admitted)."""

@@ -41,12 +41,11 @@ class NaiveCache(KVCache):
     def check_fits(self, seq: Sequence) -> None:
         """Nothing to check: a region holds max_model_len tokens, where the engine stops."""
 
-    def can_admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> bool:
-        return bool(self.free_regions)
+    def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> int | None:
+        """The free region `seq` takes (the lowest), or None."""
+        return self.free_regions[-1] if self.free_regions else None
 
-    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
-        if not self.free_regions:
-            raise RuntimeError("no free region: call can_admit() first")
+    def _allocate(self, seq: Sequence, plan: int, chunk: int | None) -> None:
         self.region_of[seq.request_id] = self.free_regions.pop()
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:

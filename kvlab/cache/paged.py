@@ -115,15 +115,7 @@ class PagedCache(PrefixSharing, SwapAndRetention, KVCache):
             return full
         return None
 
-    def can_admit(self, seq: Sequence, alone: bool = False, chunk: int | None = None) -> bool:
-        """Whether `seq` can be admitted now. `alone`: no sequence is running; `chunk`:
-        the most tokens its first step computes (None: all)."""
-        return self._plan(seq, alone, chunk) is not None
-
-    def _allocate(self, seq: Sequence, alone: bool, chunk: int | None) -> None:
-        match = self._plan(seq, alone, chunk)
-        if match is None:
-            raise ValueError(f"request {seq.request_id} does not fit: call can_admit() first")
+    def _allocate(self, seq: Sequence, match: PrefixMatch, chunk: int | None) -> None:
         table = []
         for block in match.blocks:
             self.allocator.incref(block)

@@ -43,7 +43,7 @@ class PrefixSharing:
     def stage(self, seq: Sequence) -> None:
         """Tiers: load the blocks of `seq`'s prompt that a tier holds back onto the device,
         as cached blocks its prefix lookup then hits, before admission is decided: what
-        `can_admit` counts is what `admit` takes."""
+        the admission decision counts is what allocate_slots then takes."""
         if self.connector is not None and not seq.num_computed:
             self.connector.promote(seq)
 

@@ -299,14 +299,12 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.arrival_s <= now]:
             if self._seats_taken() + seats(seq) > self.config.max_num_seqs or budget <= 0:
                 break
-            alone, first = not self.running, None if whole else budget
-            self.cache.stage(seq)
-            if not self.cache.can_admit(seq, alone, first):
-                break
             if whole and (rows or must_fit) and seq.num_pending > budget:
                 break
+            alone, first = not self.running, None if whole else budget
+            if self.cache.allocate_slots(seq, first, alone) is None:
+                break
             self.waiting.remove(seq)
-            self.cache.admit(seq, alone, first)
             seq.status = RequestState.RUNNING
             seq.admit_order = self._next_admission()
             self._resume(seq)

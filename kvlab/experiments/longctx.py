@@ -31,6 +31,7 @@ from kvlab.build import Engine
 from kvlab.cache import make_cache
 from kvlab.cache.retention import DROPPED
 from kvlab.config import EngineConfig, SamplingParams
+from kvlab.integrity import require
 from kvlab.model.loading import LoadedModel
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.runner import ModelRunner
@@ -143,7 +144,7 @@ def score(
     config = replace(config, cache="paged", kv_budget_tokens=slots, kv_budget_bytes=None)
     cache = make_cache(config, runner.kv_spec, runner.dtype, runner.device, slots)
     seq = Sequence(0, list(ids[:-1]), SamplingParams(max_new_tokens=1))
-    cache.admit(seq, alone=True, chunk=chunk)
+    require(cache.allocate_slots(seq, chunk, alone=True) is not None, "the pool holds the text")
     attention = runner.attention_fn
     if cache.retention.observes_attention:
         from kvlab.model.scored_attention import ScoredAttention

@@ -303,9 +303,8 @@ def _admitted(
             seq = engine.make_sequence(prompt, SamplingParams(max_new_tokens=new_tokens))
         except ValueError:  # it could never fit this budget: the queue stops here
             break
-        if not engine.cache.can_admit(seq):
+        if engine.cache.allocate_slots(seq) is None:
             break
-        engine.cache.admit(seq)
         admitted += 1
     return admitted
 

@@ -74,8 +74,8 @@ class _Server:
         params = SamplingParams(max_new_tokens=request.output_len)
         seq = Sequence(rid, prompt, params, arrival_s=self.clock)
         self.metrics.request_added(params)
-        self.cache.admit(seq)
-        self.cache.ensure_capacity(seq, len(prompt))
+        if self.cache.allocate_slots(seq) is None:
+            raise RuntimeError(f"request {rid} does not fit the page's cache")
         seq.num_computed = len(prompt)
         self.cache.publish(seq)
         self.metrics.request_admitted(seq, self.clock + 0.01)

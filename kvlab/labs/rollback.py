@@ -63,7 +63,7 @@ def _kvlab_rewind(
     pool = KVPool(KVSpec(1, 1, 2), num_blocks * block_size, torch.float32, torch.device("cpu"))
     cache = PagedCache(pool, block_size, num_blocks * block_size)
     seq = Sequence(0, [1] * max(num_computed, 1), SamplingParams(max_new_tokens=1))
-    cache.admit(seq)
+    cache.allocate_slots(seq)
     cache.ensure_capacity(seq, num_table_blocks * block_size)
     seq.num_computed = num_computed  # the forward computed the pending token and the drafts
     cache.rewind(seq, keep)

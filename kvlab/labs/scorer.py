@@ -243,9 +243,7 @@ def _real_replicas(cls, seed: int) -> None:
             tokens, salt = prompt()
             seq = Sequence(step, tokens, SamplingParams(max_new_tokens=1))
             seq.salt = salt
-            if cache.can_admit(seq):
-                cache.admit(seq)
-                cache.ensure_capacity(seq, len(tokens))
+            if cache.allocate_slots(seq) is not None:
                 seq.num_computed = len(tokens)
                 cache.publish(seq)
                 running.append((i, seq))

@@ -109,9 +109,8 @@ def run_sharing_case(
             seq = Sequence(step, prompt, SamplingParams(max_new_tokens=1 + r % 6))
             seq.salt = f"tenant-{salt_id}"
             try:
-                if not cache.can_admit(seq):
+                if cache.allocate_slots(seq) is None:
                     continue
-                cache.admit(seq)
                 hit = seq.num_computed
                 _write(cache, seq, salt_id, len(prompt))
                 cache.publish(seq)
