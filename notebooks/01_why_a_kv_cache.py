@@ -101,7 +101,7 @@ print("generated token ids:", out.token_ids, f"(finished by {out.finish_reason})
 # [Orca, OSDI 2022](https://www.usenix.org/conference/osdi22/presentation/yu), as vLLM
 # and SGLang do). Section 4 shows it in a live run; notebook 05 looks at the scheduler in
 # depth. The step, from kvlab's source (the speculator and the failure handling are for
-# later notebooks):
+# later notebooks; `observers` let other code watch each step without changing it):
 
 # %%
 show_source(EngineCore.step)

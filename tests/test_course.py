@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from show_source_outputs import notebooks, shown, stale
 
 from kvlab.cache.spec import KVSpec
 from kvlab.course import EXERCISES, ask, show_source
@@ -69,28 +70,15 @@ def test_the_committed_answer_key_is_current():
     )
 
 
-_SHOWN = re.compile(
-    r"^`((?:kvlab|kernels)/[^`]+)`, lines (\d+)-(\d+):\n\n```python\n(.*)\n```$", re.S
-)
-
-
-def _shown_sources():
-    """(notebook, path, first, last, code) for every stored show_source output."""
-    for path in sorted([*NOTEBOOKS.glob("*.ipynb"), *NOTEBOOKS.glob("labs/source/*/*.ipynb")]):
-        for cell in json.loads(path.read_text())["cells"]:
-            for out in cell.get("outputs", []):
-                text = "".join(out.get("data", {}).get("text/markdown", ""))
-                if m := _SHOWN.match(text):
-                    yield path.name, m[1], int(m[2]), int(m[3]), m[4]
-
-
 def test_every_stored_show_source_output_is_the_library_s_current_lines():
     """A library change that moves or edits shown lines fails here in seconds, not in the
-    browser test's re-execution of the notebook half an hour into `make test`."""
-    shown = list(_shown_sources())
-    assert len(shown) > 20  # the pattern still matches what show_source prints
-    for name, where, a, b, code in shown:
-        lines = (ROOT / where).read_text(encoding="utf-8").splitlines()[a - 1 : b]
-        indent = min((len(s) - len(s.lstrip()) for s in lines if s.strip()), default=0)
-        now = "\n".join(s[indent:] for s in lines)
-        assert now == code, f"{name}: {where} lines {a}-{b} changed; re-run its show_source cell"
+    browser test's re-execution of the notebook half an hour into `make test`;
+    `python tests/show_source_outputs.py --update` stores the outputs a re-run would."""
+    every = [(path, m) for path in notebooks() for _, _, m in shown(json.loads(path.read_text()))]
+    assert len(every) > 20  # the pattern still matches what show_source prints
+    old = [
+        f"{p.name}: {m[1]} lines {m[2]}-{m[3]}"
+        for p in notebooks()
+        for *_, m in stale(json.loads(p.read_text()))
+    ]
+    assert not old, f"stale show_source outputs (tests/show_source_outputs.py --update): {old}"

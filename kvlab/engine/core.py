@@ -69,13 +69,9 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
     # --- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule a batch, compute it, post-process what it computed; returns
-        the requests that finished. Its observers are called at its named points."""
+        the requests that finished. Its observers (observers.py) see its named points."""
         self.observers.notify("before_schedule")
-        finished = self._step(self.clock())
-        self.observers.notify("after_step", finished)
-        return finished
-
-    def _step(self, now: float) -> list[RequestOutput]:
+        now = self.clock()
         self._before_schedule(now)
         batch = self.scheduler.schedule(now)
         if batch is None:
@@ -89,6 +85,7 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
         self.observers.notify("after_compute", ran, logits)
         finished += self._postprocess(ran, logits)
         self._record(batch if failed else ran, time.perf_counter() - started)
+        self.observers.notify("after_step", finished)
         return finished
 
     def _before_schedule(self, now: float) -> None:

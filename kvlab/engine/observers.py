@@ -9,8 +9,8 @@ A step calls its observers at three named points, in subscription order:
 - "after_compute"   (batch, logits)    the forward ran: the rows that go on to
                                        post-processing and their logits (a row's
                                        `num_computed` not yet advanced);
-- "after_step"      (finished,)        the step is over (also a step that found nothing
-                                       to run); `finished` are the requests it finished.
+- "after_step"      (finished,)        the step that ran a batch is over; `finished`
+                                       are the requests it finished.
 
 Observers read; they must not change the engine's state (the tenant audit, the step
 profile, determinism's logit recording and the GPU check are the ones kvlab has). An
