@@ -24,6 +24,7 @@ jumps the queue.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -125,6 +126,7 @@ class Scheduler:
         # its KV arrives through (another engine prefilled it)
         self.events: list[Event] = []
         self.preemptions = self.swapped_bytes = self.recomputed_tokens = 0
+        self.swap_in_s = 0.0  # seconds spent copying swapped-out KV back into the pool
         self.batch_open = True  # static batching: admit only until the batch starts decoding
         self._admissions = 0
         self._fresh: list[Sequence] = []  # admitted by the schedule() in progress
@@ -404,7 +406,9 @@ class Scheduler:
             if seq.request_id in self.arrivals:
                 self.arrivals.pop(seq.request_id).load(seq)
             else:
+                started = time.perf_counter()
                 self.cache.swap_in(seq, self.swap_space.pop(seq.request_id))
+                self.swap_in_s += time.perf_counter() - started
             seq.status = RequestState.RUNNING
             self._resume(seq)
             self.running.append(seq)

@@ -205,15 +205,17 @@ def preemption_cost(
             engine.step()
         [victim] = engine.scheduler.running
         victim_tokens = victim.num_computed
-        copies_in = _timed_swap_in(engine)
-        preempts, resumes, moved = [], [], None
+        scheduler = engine.scheduler
+        preempts, resumes, copies_in, moved = [], [], [], None
         for _ in range(repeats):
             started = time.perf_counter()
-            engine.scheduler.preempt(victim)
+            scheduler.preempt(victim)
             preempts.append(time.perf_counter() - started)
-            scheduler = engine.scheduler
             moved = moved or (scheduler.swapped_bytes, scheduler.recomputed_tokens)
+            copied = scheduler.swap_in_s
             engine.step()  # swap in + decode, or prefill everything again
+            if scheduler.swap_in_s > copied:  # the copy back, timed by the scheduler
+                copies_in.append(scheduler.swap_in_s - copied)
             resumes.append(float(engine.stats()["step_s"].iloc[-1]))
             engine.step()  # a plain decode before the next round
         step_s = engine.stats()["step_s"].to_numpy()
@@ -239,22 +241,6 @@ def preemption_cost(
             }
         )
     return pd.DataFrame(rows)
-
-
-def _timed_swap_in(engine: Engine) -> list[float]:
-    """Time every swap-in of `engine`'s cache from now on (the copy back into fresh
-    blocks, which the scheduler runs before the step's forward); returns the list the
-    times go to."""
-    cache, times = engine.cache, []
-    swap_in = cache.swap_in
-
-    def timed(seq, saved):
-        started = time.perf_counter()
-        swap_in(seq, saved)
-        times.append(time.perf_counter() - started)
-
-    cache.swap_in = timed  # this engine only: an attribute of its cache object
-    return times
 
 
 # --- static vs continuous batching ---------------------------------------------------------
