@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_greedy, small_engine
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlab
@@ -62,6 +62,7 @@ def test_admission_counts_the_worst_case():
 
 
 @settings(max_examples=60, deadline=None)
+@example(block_size=1, num_blocks=4, ops=[("admit", 3)] + [("grow", 0)] * 3)  # to max_model_len
 @given(
     block_size=st.sampled_from([1, 2, 4, 16]),
     num_blocks=st.integers(4, 40),
@@ -85,7 +86,9 @@ def test_random_admit_grow_finish_keeps_every_invariant(block_size, num_blocks, 
                 running.append(seq)
         elif op == "grow" and running:
             seq = running[r % len(running)]
-            if len(seq.output_ids) < seq.params.max_new_tokens:
+            # the engine stops a sequence at max_new_tokens or max_model_len, whichever first
+            room = seq.num_tokens < cache.max_model_len
+            if len(seq.output_ids) < seq.params.max_new_tokens and room:
                 seq.output_ids.append(1)
                 cache.ensure_capacity(seq, seq.num_tokens)  # never runs out: admission promised
                 seq.num_computed = seq.num_tokens
