@@ -47,6 +47,21 @@ def test_a_new_block_only_when_the_last_is_full():
     cache.check_integrity()
 
 
+def test_a_running_sequence_grows_through_allocate_slots_or_nothing_changes():
+    cache = PagedCache(_cache(4, 4).pool, 4, 256, watermark=0.0)  # admits as vLLM V1
+    a = Sequence(0, [1] * 8, SamplingParams(max_new_tokens=8))
+    b = Sequence(1, [2] * 8, SamplingParams(max_new_tokens=8))
+    assert len(cache.allocate_slots(a)) == len(cache.allocate_slots(b)) == 2  # pool full
+    a.num_computed = b.num_computed = 8
+    a.output_ids.append(3)  # one token pending: its block is the pool's fifth
+    assert cache.allocate_slots(a, 1) is None  # no block free
+    assert len(cache.block_table(a)) == 2
+    assert cache.allocator.num_used == 4
+    cache.free(b)
+    assert len(cache.allocate_slots(a, 1)) == 3
+    cache.check_integrity()
+
+
 def test_admission_counts_the_worst_case():
     cache = _cache(num_blocks=4, block_size=4)  # 16 slots
     a = Sequence(0, [1] * 6, SamplingParams(max_new_tokens=2))  # 8 tokens: 2 blocks

@@ -162,25 +162,32 @@ class KVCache(ABC):
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int | None = None, alone: bool = False
     ) -> list[int] | None:
-        """Admit `seq` with its prefix hit and the blocks for its next `num_new_tokens`
-        tokens (None: all it has pending) -> its block table; or None, and no block taken.
+        """The blocks for `seq`'s next `num_new_tokens` tokens (None: all it has pending)
+        -> its block table; or None, and nothing changed.
 
-        vLLM's KVCacheManager.allocate_slots for a new request: deciding and taking are one
-        call, so nothing can change between them (a tiered cache loads what a tier holds of
-        the prompt first, as cached blocks, and the decision counts them). `alone`: no
-        sequence is running (the headroom kept for running ones is not needed). A running
-        sequence grows with `blocks_needed` and `ensure_capacity` (the scheduler preempts
-        between them)."""
-        if seq.request_id in self.sequences:
-            raise ValueError(f"request {seq.request_id} is already admitted")
-        self.stage(seq)
-        plan = self._plan(seq, alone, num_new_tokens)
-        if plan is None:
-            return None
-        self._allocate(seq, plan, num_new_tokens)
-        self.sequences[seq.request_id] = seq
-        pending = seq.num_pending if num_new_tokens is None else num_new_tokens
-        self.ensure_capacity(seq, seq.num_computed + min(pending, seq.num_pending))
+        vLLM's KVCacheManager.allocate_slots, for a new request and a running one alike:
+        deciding and taking are one call, so nothing can change between them.
+        - A new request is admitted with its prefix hit (a tiered cache loads what a tier
+          holds of the prompt first, as cached blocks, and the decision counts them);
+          `alone`: no sequence is running (the headroom kept for running ones is not
+          needed).
+        - A running request grows by the blocks its next tokens need; None when fewer are
+          available (the scheduler then preempts and asks again); its next tokens include
+          any speculative drafts it verifies this step."""
+        if seq.request_id in self.sequences:  # running: grow (drafts included)
+            end = seq.num_computed + (seq.num_pending if num_new_tokens is None else num_new_tokens)
+            if self.blocks_needed(seq, end) > self.num_available:
+                return None
+        else:  # new: admit
+            self.stage(seq)
+            plan = self._plan(seq, alone, num_new_tokens)
+            if plan is None:
+                return None
+            self._allocate(seq, plan, num_new_tokens)
+            self.sequences[seq.request_id] = seq
+            n = seq.num_pending  # after the prefix hit, which counts as computed
+            end = seq.num_computed + (n if num_new_tokens is None else min(num_new_tokens, n))
+        self.ensure_capacity(seq, end)
         return self.block_table(seq)
 
     def free(self, seq: Sequence) -> None:

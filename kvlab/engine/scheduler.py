@@ -322,9 +322,7 @@ class Scheduler:
         """Publish an admitted prompt's blocks for this step at once, as vLLM V1 does: a
         request admitted later in the same step shares them. The forward writes every
         row's K/V of a layer before any row's attention reads that layer."""
-        if self.cache.shares_prefixes:
-            self.cache.ensure_capacity(seq, seq.num_computed + chunk)
-            self._publish(seq, chunk)
+        self._publish(seq, chunk)
 
     def _publish(self, seq: Sequence, num_new: int) -> None:
         """Offer the full blocks `seq` holds once this step's tokens are in, for reuse."""
@@ -351,15 +349,13 @@ class Scheduler:
         for seq, n in sorted(rows, key=lambda row: victim_key(row[0])):
             if seq not in self.running:
                 continue  # preempted for an earlier row
-            while (need := self.cache.blocks_needed(seq, seq.num_computed + n)) > (
-                free := self.cache.num_available
-            ):
-                victim = self.choose_victim(self.running)
+            while self.cache.allocate_slots(seq, n) is None:
+                need = self.cache.blocks_needed(seq, seq.num_computed + n)
+                free, victim = self.cache.num_available, self.choose_victim(self.running)
                 self.preempt(victim, _cause(seq, n, need, free, victim, len(self.running)))
                 if victim is seq:
                     break
             if seq in self.running:
-                self.cache.ensure_capacity(seq, seq.num_computed + n)
                 kept.append((seq, n))
         order = {id(seq): i for i, (seq, _) in enumerate(rows)}
         return sorted(kept, key=lambda row: order[id(row[0])])

@@ -7,7 +7,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -196,12 +196,13 @@ from kvlab.course import show_source  # noqa: E402
 show_source(plug_in, "cache.allocator =", "engine.scheduler.choose_victim")
 
 # %% [markdown]
-# and the scheduler asks the victim rule whenever a step needs more blocks than are left:
+# and the scheduler asks the victim rule whenever a running request's next tokens need more
+# blocks than are left (`allocate_slots` returns None):
 
 # %%
 from kvlab.engine.scheduler import Scheduler  # noqa: E402
 
-show_source(Scheduler._secure_blocks, "while (need", "if victim is seq")
+show_source(Scheduler._secure_blocks, "while self.cache.allocate_slots", "if victim is seq")
 
 # %% [markdown]
 # ## What to try next
