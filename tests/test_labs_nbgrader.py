@@ -30,22 +30,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from lab_mistakes import LAB_NAMES, MISTAKES, Mistake, answer, of, submission
+from lab_mistakes import LAB_NAMES, MISTAKES, Mistake, of, submission
 
-from kvlab.labs import (
-    check_block_allocator,
-    check_block_hash,
-    check_capstone,
-    check_int8_codec,
-    check_kv_cache,
-    check_metrics_reading,
-    check_precise_scorer,
-    check_spec_rollback,
-    check_tier_lru,
-    check_victim_choice,
-    check_window_release,
-    student,
-)
+from kvlab.labs import student
 
 pytest.importorskip(
     "nbgrader",
@@ -58,24 +45,6 @@ NAMES = student.lab_names()
 ALEMBIC_HEAD = "e43177bfe90b"  # the gradebook schema of nbgrader 0.9.6 (`alembic heads`)
 HIDDEN_SEED = 2026  # the seed of the sources' hidden tests
 EVERY_MISTAKE = os.environ.get("KVLAB_NBGRADER_ALL") == "1"
-GRADERS = dict(
-    zip(
-        NAMES,
-        [
-            check_kv_cache,
-            check_block_allocator,
-            check_block_hash,
-            check_int8_codec,
-            check_victim_choice,
-            check_spec_rollback,
-            check_window_release,
-            check_tier_lru,
-            check_metrics_reading,
-            check_precise_scorer,
-            check_capstone,
-        ],
-    )
-)
 
 
 def _meta(cell) -> dict:
@@ -115,23 +84,23 @@ def _checks(name: str) -> dict[str, tuple[str, float]]:
     return out
 
 
-def _expected_cells(name: str, exercise: str | None) -> dict[str, float]:
-    """Each cell's score, worked out in this process: kvlab's grader on the exercise cell,
-    on the cases the notebook shows and on the hidden tests' seed; a cell scores its points
-    when its check passes on both."""
-    checks = _checks(name)
-    if exercise is None:
-        return {grade_id: 0.0 for grade_id in checks}
+def _failures(name: str, exercise: str) -> tuple[list, list]:
+    """What kvlab's grader reports failed for an exercise cell, worked out in this process: on
+    the cases the notebook shows (seed 0), then on the hidden tests' seed."""
     namespace: dict = {}
     cells = {_meta(c).get("grade_id"): c.source for c in _source(name).cells}
     with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(cells["setup"], "<setup>", "exec"), namespace)
         exec(compile(exercise, "<exercise>", "exec"), namespace)
         grader = cells["grader"].removeprefix("result = ")
-        failed = set()
-        for seed in (0, HIDDEN_SEED):
-            call = f"{grader.rstrip()[:-1]}, verbose=False, seed={seed})"
-            failed |= {f.check for f in eval(call, namespace).failures}
+        calls = [f"{grader.rstrip()[:-1]}, verbose=False, seed={s})" for s in (0, HIDDEN_SEED)]
+        shown, hidden = (eval(call, namespace).failures for call in calls)
+    return shown, hidden
+
+
+def _expected_cells(name: str, failed: set[str]) -> dict[str, float]:
+    """Each cell's score: its points when its check failed on neither seed."""
+    checks = _checks(name)
     return {g: 0.0 if check in failed else float(pts) for g, (check, pts) in checks.items()}
 
 
@@ -218,19 +187,20 @@ def test_autograde_gives_each_submission_the_points_of_the_checks_it_passes(cour
     subs = _submissions(name)
     assert sorted(scores) == sorted(subs)
     total = sum(points for _, points in _checks(name).values())
-    for who, exercise in subs.items():
-        score, max_score, cells = scores[who]
+    for who, (score, max_score, cells) in scores.items():
         assert max_score == total
-        assert cells == _expected_cells(name, exercise), who
-        assert score == sum(cells.values())
-    assert scores["solved"][0] == total
+        assert score == sum(cells.values()), who
+    # The solved source passes every check on both seeds (tests/test_labs.py runs it), so
+    # its hand-in gets every point; the untouched student version gets none.
+    assert scores["solved"][2] == _expected_cells(name, set())
     if "unsolved" in subs:
         assert scores["unsolved"][0] == 0
-    for mistake in _mistakes(name):  # the check that names the mistake's invariant scores 0
-        first = GRADERS[name](*answer(mistake), verbose=False).failures[0]
-        assert first.invariant == mistake.invariant
-        (grade_id,) = [g for g, (check, _) in _checks(name).items() if check == first.check]
-        assert scores[mistake.name][2][grade_id] == 0
+    for mistake in _mistakes(name):
+        shown, hidden = _failures(name, subs[mistake.name])
+        failed = {f.check for f in shown + hidden}
+        assert scores[mistake.name][2] == _expected_cells(name, failed), mistake.name
+        # the check that names the mistake's invariant scores 0
+        assert shown and shown[0].invariant == mistake.invariant, mistake.name
 
 
 @pytest.mark.parametrize("name", NAMES)

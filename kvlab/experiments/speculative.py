@@ -139,15 +139,19 @@ def vllm_runs(
     lookup_max: int,
     threads: int | None = None,
     baseline: bool = True,
+    timed: bool = True,
 ) -> list[SpecRun]:
     """vLLM without speculation (unless `baseline` is False) and with n-gram drafting at
     each k, batch 1 (kvlab.peers.spec_vllm), as system SYSTEM ("vllm (eager, block
-    32)"); its decode_s is its whole run."""
+    32)"); its decode_s is its whole run. `timed=False`: tokens and drafts only, from
+    the counting pass (kvlab.peers.spec_vllm.run_vllm)."""
     from kvlab.peers.spec_vllm import SYSTEM, run_vllm
 
     prompts = [list(r.prompt) for r in requests]
     new_tokens = [r.max_new_tokens for r in requests]
-    done = run_vllm(model, prompts, new_tokens, ks, lookup_min, lookup_max, threads, baseline)
+    done = run_vllm(
+        model, prompts, new_tokens, ks, lookup_min, lookup_max, threads, baseline, timed=timed
+    )
     runs = []
     for k, run in done.items():
         tokens = sum(map(len, run.outputs))

@@ -51,10 +51,13 @@ def run_vllm(
     threads: int | None = None,
     baseline: bool = True,
     count_drafts: bool = True,
+    timed: bool = True,
 ) -> dict[int, VllmRun]:
     """vLLM without speculation (k = 0, unless `baseline` is False) and with n-gram
     drafting at each k, batch 1 -> {k: its VllmRun}: the timed runs' tokens, seconds and
-    steps, and (with `count_drafts`) the counting pass's drafted and accepted tokens."""
+    steps, and (with `count_drafts`) the counting pass's drafted and accepted tokens.
+    `timed=False` runs only the counting pass where k > 0 (its tokens, steps and drafts;
+    its seconds are a stats-on run's, not a timing)."""
     longest = max(map(len, prompts)) + max(max_new_tokens) + max((*ks, 0)) + 1
     runs = {}
     # A worker process per engine: vLLM's CPU build starts one engine per process cleanly
@@ -63,18 +66,21 @@ def run_vllm(
         args = vllm_engine_args(model, kv_cache_bytes=2**28, max_model_len=longest)
         spec = ngram_config(k, lookup_min, lookup_max)
         args |= {"speculative_config": spec} if spec else {}  # k = 0: none
-        with VllmPeer(threads=threads, inproc=True) as peer:
-            peer.start(args)  # stats off, as vllm.LLM runs
-            peer.run(prompts[:1], [min(WARMUP_TOKENS, max_new_tokens[0])])  # untimed
-            timed = joined(one_by_one_cold(peer, prompts, max_new_tokens))
-        if spec and count_drafts:
+        count = bool(spec) and (count_drafts or not timed)
+        run = None
+        if timed or not count:
+            with VllmPeer(threads=threads, inproc=True) as peer:
+                peer.start(args)  # stats off, as vllm.LLM runs
+                peer.run(prompts[:1], [min(WARMUP_TOKENS, max_new_tokens[0])])  # untimed
+                run = joined(one_by_one_cold(peer, prompts, max_new_tokens))
+        if count:
             with VllmPeer(threads=threads, inproc=True) as peer:
                 peer.start(args, stats=True)
                 counted = joined(one_by_one_cold(peer, prompts, max_new_tokens))
-            if counted.outputs != timed.outputs:
+            if run is not None and counted.outputs != run.outputs:
                 raise RuntimeError(f"vLLM n-gram k={k}: the counting pass's tokens differ")
-            timed = joined([timed], counted)
-        runs[k] = timed
+            run = counted if run is None else joined([run], counted)
+        runs[k] = run
     return runs
 
 
