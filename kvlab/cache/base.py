@@ -12,7 +12,7 @@ guards:
 
     shares_prefixes   `publish(seq)`: the prompt is in the cache; reuse it (prefix caching)
     forks             `fork(parent, child)`: n > 1 samples share the prompt's blocks
-    swaps             `swap_out`, `can_swap_in`, `swap_in`: swap preemption
+    swaps             `swap_out`, `allocate_computed`, `swap_in`: swap preemption
     admissions        the EngineConfig.admission policies it implements, its default first
     emits_events      `from_config(..., events=sink)`: its prefix index reports what it
                       stores and removes (kvlab.cache.events, vLLM's KV events)

@@ -31,23 +31,25 @@ class SwapAndRetention:
             self.connector.swap_out(seq, saved)
         return saved
 
-    def can_swap_in(self, seq: Sequence, alone: bool = False) -> bool:
+    def allocate_computed(self, seq: Sequence, alone: bool = False) -> list[int] | None:
+        """A block table for `seq`'s `num_computed` tokens and its next one, whose KV is
+        written in from outside (swap-in restores it, a KV connector loads it:
+        kvlab.disagg) -> the table; or None, and nothing taken, when the blocks would
+        endanger running sequences (`alone`: none is running). Deciding and taking are one
+        call, as in `allocate_slots`."""
         need = ceil_div(seq.num_computed + 1, self.block_size)
         room = self.allocator.num_available - self.admission.promised()
-        return need <= room - self.admission.headroom(alone)
-
-    def swap_in(self, seq: Sequence, saved: StoredKV) -> None:
-        self.allocate_computed(seq)
-        self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
-        self.drop_swapped(seq)
-
-    def allocate_computed(self, seq: Sequence) -> list[int]:
-        """A block table for `seq`'s `num_computed` tokens, whose KV is written in from
-        outside: swap-in restores it, a KV connector loads it (kvlab.disagg). Returns it."""
+        if need > room - self.admission.headroom(alone):
+            return None
         self.tables[seq.request_id] = []
         self.sequences[seq.request_id] = seq
         self.ensure_capacity(seq, seq.num_computed)
         return self.tables[seq.request_id]
+
+    def swap_in(self, seq: Sequence, saved: StoredKV) -> None:
+        """Restore swapped-out KV into the blocks `allocate_computed` gave `seq`."""
+        self.pool.restore(self.position_slots(seq, 0, seq.num_computed), saved)
+        self.drop_swapped(seq)
 
     def drop_swapped(self, seq: Sequence) -> None:
         if self.connector is not None:

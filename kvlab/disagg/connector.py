@@ -118,11 +118,11 @@ class PrefillDecodeConnector(KVConnector):
         return False, None
 
     def load(self, seq: Sequence) -> None:
-        """Consumer, as the scheduler swaps `seq` in: the cache allocates blocks for its
-        prompt, the load is recorded and the worker side runs it."""
+        """Consumer, as the scheduler swaps `seq` in (the cache has allocated blocks for
+        its prompt): the load is recorded and the worker side runs it."""
         matched, _ = self.get_num_new_matched_tokens(seq, 0)
         require(matched == seq.num_computed, f"request {seq.request_id}: no intact transfer")
-        self.update_state_after_alloc(seq, self.cache.allocate_computed(seq), matched)
+        self.update_state_after_alloc(seq, self.cache.block_table(seq), matched)
         self.run_worker(self.cache.pool.spec.num_layers)
 
     # --- worker side ------------------------------------------------------------------

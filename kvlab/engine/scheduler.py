@@ -396,7 +396,7 @@ class Scheduler:
             seq = self.swapped[0]
             if self._seats_taken() + seats(seq) > self.config.max_num_seqs:
                 break
-            if not self.cache.can_swap_in(seq, alone=not self.running):
+            if self.cache.allocate_computed(seq, alone=not self.running) is None:
                 break
             self.swapped.pop(0)
             if seq.request_id in self.arrivals:
