@@ -47,8 +47,13 @@ def shown(nb: dict) -> list[tuple[dict, dict, re.Match]]:
     return out
 
 
+def is_stale(m: re.Match) -> bool:
+    """Whether the lines a shown output names are no longer the code it shows."""
+    return _code_now(m[1], int(m[2]), int(m[3])) != m[4]
+
+
 def stale(nb: dict) -> list[tuple[dict, dict, re.Match]]:
-    return [(c, o, m) for c, o, m in shown(nb) if _code_now(m[1], int(m[2]), int(m[3])) != m[4]]
+    return [(c, o, m) for c, o, m in shown(nb) if is_stale(m)]
 
 
 def _imports(nb: dict) -> dict:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from show_source_outputs import notebooks, shown, stale
+from show_source_outputs import is_stale, notebooks, shown
 
 from kvlab.cache.spec import KVSpec
 from kvlab.course import EXERCISES, ask, show_source
@@ -76,9 +76,5 @@ def test_every_stored_show_source_output_is_the_library_s_current_lines():
     `python tests/show_source_outputs.py --update` stores the outputs a re-run would."""
     every = [(path, m) for path in notebooks() for _, _, m in shown(json.loads(path.read_text()))]
     assert len(every) > 20  # the pattern still matches what show_source prints
-    old = [
-        f"{p.name}: {m[1]} lines {m[2]}-{m[3]}"
-        for p in notebooks()
-        for *_, m in stale(json.loads(p.read_text()))
-    ]
+    old = [f"{p.name}: {m[1]} lines {m[2]}-{m[3]}" for p, m in every if is_stale(m)]
     assert not old, f"stale show_source outputs (tests/show_source_outputs.py --update): {old}"

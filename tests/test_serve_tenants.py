@@ -176,13 +176,8 @@ def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model
     long = {"prompt": [7, 8, 9], "max_tokens": 250, "ignore_eos": True, "stream": True}
     # The engine takes no step until the test has seen alice's second request queued and her
     # third refused: her first request holds its place however fast the machine decodes.
-    go, step = threading.Event(), engine.step
-
-    def step_when_let():
-        go.wait(timeout=60)
-        return step()
-
-    engine.step = step_when_let
+    go = threading.Event()
+    engine.observers.subscribe("before_schedule", lambda: go.wait(timeout=60))
     with ServerThread(engine, tenants=KEYS, limits=limits) as server:
         url = f"{server.url}/v1/completions"
 
