@@ -39,6 +39,7 @@
 #define TM 2 /* register tile: rows ... (AVX2: two registers a lane set, 16 in all) */
 #define TN 2
 #endif
+#define TN1 (2 * TN) /* columns of a one-row tile: a decode step's single row */
 #define MIN_PARALLEL (1 << 15) /* below this many multiply-adds, one thread */
 
 typedef float lanes __attribute__((vector_size(LANES * 4)));
@@ -86,41 +87,48 @@ static ALWAYS_INLINE lanes load_tail(const void *base, int dtype, int64_t at, in
     return x;
 }
 
-/* Rows m0 .. m0 + TM - 1 by columns n0 .. n0 + TN - 1 (a row or column past the end
- * repeats the last one and is not stored): each output's lanes over the whole of K. */
-static ALWAYS_INLINE void tile(const Bmm *p, int64_t b, int64_t m0, int64_t n0, int dx, int dw) {
+/* Rows m0 .. m0 + tm - 1 by columns n0 .. n0 + tn - 1 (a row or column past the end
+ * repeats the last one and is not stored): each output's lanes over the whole of K. The
+ * tile's shape changes which outputs share a pass over K, never an output's order. */
+static ALWAYS_INLINE void tile(const Bmm *p, int64_t b, int64_t m0, int64_t n0, int dx, int dw,
+                               const int tm, const int tn) {
     const int64_t K = p->K, whole = K / LANES * LANES;
-    int64_t xa[TM], wa[TN];
-    for (int i = 0; i < TM; i++)
+    int64_t xa[TM], wa[TN1];
+    for (int i = 0; i < tm; i++)
         xa[i] = b * p->x_batch + (m0 + i < p->M ? m0 + i : p->M - 1) * p->x_row;
-    for (int j = 0; j < TN; j++)
+    for (int j = 0; j < tn; j++)
         wa[j] = b * p->w_batch + (n0 + j < p->N ? n0 + j : p->N - 1) * p->w_row;
-    lanes acc[TM][TN];
+    lanes acc[TM][TN1];
     memset(acc, 0, sizeof acc);
-    lanes xv[TM], wv[TN];
+    lanes xv[TM], wv[TN1];
     for (int64_t k = 0; k < whole; k += LANES) {
-        for (int i = 0; i < TM; i++) xv[i] = load_lanes(p->x, dx, xa[i] + k);
-        for (int j = 0; j < TN; j++) wv[j] = load_lanes(p->w, dw, wa[j] + k);
-        for (int i = 0; i < TM; i++)
-            for (int j = 0; j < TN; j++) acc[i][j] += xv[i] * wv[j];
+        for (int i = 0; i < tm; i++) xv[i] = load_lanes(p->x, dx, xa[i] + k);
+        for (int j = 0; j < tn; j++) wv[j] = load_lanes(p->w, dw, wa[j] + k);
+        for (int i = 0; i < tm; i++)
+            for (int j = 0; j < tn; j++) acc[i][j] += xv[i] * wv[j];
     }
     if (whole < K) {
-        for (int i = 0; i < TM; i++) xv[i] = load_tail(p->x, dx, xa[i] + whole, K - whole);
-        for (int j = 0; j < TN; j++) wv[j] = load_tail(p->w, dw, wa[j] + whole, K - whole);
-        for (int i = 0; i < TM; i++)
-            for (int j = 0; j < TN; j++) acc[i][j] += xv[i] * wv[j];
+        for (int i = 0; i < tm; i++) xv[i] = load_tail(p->x, dx, xa[i] + whole, K - whole);
+        for (int j = 0; j < tn; j++) wv[j] = load_tail(p->w, dw, wa[j] + whole, K - whole);
+        for (int i = 0; i < tm; i++)
+            for (int j = 0; j < tn; j++) acc[i][j] += xv[i] * wv[j];
     }
-    for (int i = 0; i < TM; i++)
-        for (int j = 0; j < TN; j++)
+    for (int i = 0; i < tm; i++)
+        for (int j = 0; j < tn; j++)
             if (m0 + i < p->M && n0 + j < p->N)
                 p->out[(b * p->M + m0 + i) * p->N + n0 + j] = add_lanes(acc[i][j]);
 }
 
+/* One task's columns: rows TM at a time, then the rows left over (all of them for a
+ * decode step's single row) one at a time against TN1 columns, so no repeated row is
+ * computed for nothing. */
 static ALWAYS_INLINE void task_body(const Bmm *p, int64_t task, int dx, int dw) {
     const int64_t b = task / p->col_blocks, c0 = task % p->col_blocks * NB;
-    const int64_t c1 = c0 + NB < p->N ? c0 + NB : p->N;
+    const int64_t c1 = c0 + NB < p->N ? c0 + NB : p->N, tiled = p->M / TM * TM;
     for (int64_t n0 = c0; n0 < c1; n0 += TN)
-        for (int64_t m0 = 0; m0 < p->M; m0 += TM) tile(p, b, m0, n0, dx, dw);
+        for (int64_t m0 = 0; m0 < tiled; m0 += TM) tile(p, b, m0, n0, dx, dw, TM, TN);
+    for (int64_t n0 = c0; n0 < c1; n0 += TN1)
+        for (int64_t m0 = tiled; m0 < p->M; m0++) tile(p, b, m0, n0, dx, dw, 1, TN1);
 }
 
 static int take_tasks(void *arg) {
