@@ -92,10 +92,13 @@ def run(
 
     Prompts are token ids (used as given). They run `setting.batch` at a time on one
     engine, in order, a short last group topped up to `batch` with `companions` (whose
-    answers are not kept); with `warm`, each group runs twice and the second run counts.
+    answers are not kept); with `warm`, each group first runs for one token (its prompts'
+    full blocks are then in the prefix cache; the tokens after the first would add no
+    hit) and the second run counts.
     """
     config = EngineConfig(**{**BASE, **(base or {}), **setting.config})
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    warm_up = SamplingParams(max_new_tokens=1, ignore_eos=True)
     threads = torch.get_num_threads()
     if setting.threads:
         torch.set_num_threads(setting.threads)
@@ -107,9 +110,10 @@ def run(
             group = prompts[start : start + setting.batch]
             kept = len(group)
             group += list(companions[: setting.batch - kept])
-            for _ in range(1 + setting.warm):  # warm: the second run counts
-                seen.clear()
-                outputs = engine.generate(group, params, progress=False)
+            if setting.warm:  # one token first: the prompts' full blocks enter the prefix cache
+                engine.generate(group, warm_up, progress=False)
+            seen.clear()
+            outputs = engine.generate(group, params, progress=False)
             for out in outputs[:kept]:
                 rows = seen[out.request_id]
                 answers.append([step_of(x, t) for x, t in zip(rows, out.token_ids)])

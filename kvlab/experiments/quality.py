@@ -104,18 +104,19 @@ def teacher_forced(
         meta = build_attention_metadata([start], [end - start], [[0]], slots, runner.device)
         skip = max(scored_from - start, 0)  # rows of this chunk that are context only
         target = tokens[start + 1 + skip : end + 1, None]
-        base = None
+        base = base_p = base_top = None  # the baseline's log-probs, probs and top-1, once
         for name, pool in pools.items():
             logits = runner.forward(tokens[start:end], meta, pool, all_logits=True)
             logp = F.log_softmax(logits[skip:], -1)
-            base = logp if name is None else base
+            if name is None:
+                base, base_p, base_top = logp, logp.exp(), logp.argmax(-1)
             nll = -logp.gather(1, target)[:, 0]
             nlls[name].append(nll.double().cpu())
             totals[name] += torch.stack(
                 [
                     nll.sum(),
-                    (base.exp() * (base - logp)).sum(),
-                    (logp.argmax(-1) == base.argmax(-1)).sum(),
+                    (base_p * (base - logp)).sum(),
+                    (logp.argmax(-1) == base_top).sum(),
                 ]
             ).double()
     rows = []
