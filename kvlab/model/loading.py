@@ -76,6 +76,7 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a Llama-family causal LM and its tokenizer.
 
@@ -85,6 +86,8 @@ def load_model(
         device: defaults to cuda when available, else cpu.
         dtype: defaults to bf16 on CUDA and fp32 on CPU.
         progress: show a progress bar on the slow first load of the embedded model.
+        tokenizer: False leaves the tokenizer out (LoadedModel.tokenizer is None): for a
+            process that only runs the weights, such as a tensor-parallel worker rank.
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
@@ -94,12 +97,17 @@ def load_model(
         name = EMBEDDED_MODEL
     else:
         path, from_cache, name = str(name_or_path), False, str(name_or_path)
-    hf_model, tokenizer = _load_checkpoint(path, device, dtype, progress=progress)
-    return LoadedModel(hf_model, tokenizer, name, time.perf_counter() - start, from_cache)
+    hf_model, tok = _load_checkpoint(path, device, dtype, progress=progress, tokenizer=tokenizer)
+    return LoadedModel(hf_model, tok, name, time.perf_counter() - start, from_cache)
 
 
 def _load_checkpoint(
-    path: str, device: torch.device, dtype: torch.dtype, progress: bool = True, **kwargs
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool = True,
+    tokenizer: bool = True,
+    **kwargs,
 ):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -114,8 +122,7 @@ def _load_checkpoint(
         )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    return model, tokenizer
+    return model, AutoTokenizer.from_pretrained(path, **kwargs) if tokenizer else None
 
 
 def _embedded_checkpoint(progress: bool) -> str:

@@ -57,7 +57,8 @@ def worker_main(rank: int, tp: int, store: str, model_name: str | None, dtype, l
     torch.set_num_threads(1)
     from kvlab.model.loading import load_model
 
-    model = load_model(model_name, device="cpu", dtype=dtype, progress=False)
+    # The weights only: rank 0 tokenizes (a tokenizer is ~half of a worker's load time)
+    model = load_model(model_name, device="cpu", dtype=dtype, progress=False, tokenizer=False)
     loaded.send(True)  # BrokenPipeError if rank 0 is gone: nobody to serve, exit
     loaded.close()
     _init(rank, tp, store)
