@@ -136,3 +136,22 @@ def test_repeats_keep_the_first_rounds_counts_and_the_fastest_times(tiny_model, 
         )  # fmt: skip
         assert a.outputs == b.outputs and b.identical
         assert 0 < b.decode_s <= b.wall_s
+
+
+def test_warm_runs_keep_the_counts_of_cold_ones(tiny_model, result):
+    """cold=False (notebook 09): every run decodes from its prompt's cached K/V instead of
+    prefilling it from an empty prefix cache; tokens, forwards and drafts are the same."""
+    workloads = {"loops": [Request(p, NEW_TOKENS) for p in PROMPTS]}
+    warm = speculative.compare_speculation(
+        tiny_model, workloads, ks=(2,), layers_k=1, hf=False, sweep_workload="loops",
+        sweep_batch_sizes=(1, 3), sweep_k=2, ngram_min=1, cold=False,
+    )  # fmt: skip
+    cold = [r for r in result.runs if r.system == "kvlab"]
+    assert len(warm.runs) == len(cold)
+    for a, b in zip(cold, warm.runs):
+        assert (a.name, a.batch_size, a.part) == (b.name, b.batch_size, b.part)
+        assert (a.output_tokens, a.decode_forwards, a.drafted, a.accepted) == (
+            b.output_tokens, b.decode_forwards, b.drafted, b.accepted
+        )  # fmt: skip
+        assert a.outputs == b.outputs and b.identical
+    assert warm.mismatches() == []

@@ -18,10 +18,12 @@ kvlab: one paged engine with prefix caching per workload. Each prompt is prefill
 and every configuration runs the first prompt briefly, untimed (first-call costs;
 `prefill_s` keeps the prefill's time); then every configuration runs every prompt, one
 at a time, the prefix cache emptied before each run (`reset_prefix_cache`), so the
-prompt's prefill is inside the run, as it is for HF and vLLM; the order of the
-configurations alternates from prompt to prompt (this machine is shared). The engine's
-speculation is swapped between runs (`set_speculation`); each configuration keeps one
-Speculator, so its SpecStats add up over the prompts. `decode_s` sums the step_s of
+prompt's prefill is inside the run, as it is for HF and vLLM (`cold=False`: the prefix
+cache is kept, so every run decodes from the prompt's cached K/V and wall_s holds almost
+no prefill); the order of the configurations alternates from prompt to prompt (this
+machine is shared). The engine's speculation is swapped between runs
+(`set_speculation`); each configuration keeps one Speculator, so its SpecStats add up
+over the prompts. `decode_s` sums the step_s of
 decode steps (the draft model's work included; prompt lookup runs just before the step),
 `wall_s` is the whole `generate` call.
 
@@ -176,6 +178,7 @@ def compare_speculation(
     ngram_min: int = PROMPT_LOOKUP_MIN,
     vllm: bool = False,
     repeats: int = 1,
+    cold: bool = True,
 ) -> SpecResult:
     """kvlab (no speculation, n-gram at each k, the "layers" draft), HF (plain and
     prompt lookup at each k) and, with `vllm`, vLLM (plain and n-gram at each k, with
@@ -184,7 +187,10 @@ def compare_speculation(
     idle prefix-caching engine per workload to reuse (its cached prompts save the
     warm-up's prefills and the sweep's).
     `ngram_min`: kvlab's prompt_lookup_min (HF's prompt lookup always goes down to 1).
-    `repeats`: kvlab's rounds per run, its fastest kept (kvlab.experiments.spec_kvlab)."""
+    `repeats`: kvlab's rounds per run, its fastest kept (kvlab.experiments.spec_kvlab).
+    `cold`: kvlab's batch-1 runs start from an empty prefix cache, their prefill inside
+    their wall_s, as the peers' are (False: each prompt is prefilled once, untimed, and
+    every run decodes from its cached K/V; wall_s then holds almost no prefill)."""
     runs, meta = [], {"prefill_s": {}, "kvlab_vs_hf_identical": {}}
     if vllm:
         meta["kvlab_vs_vllm_identical"] = {}
@@ -193,7 +199,7 @@ def compare_speculation(
     for name, requests in workloads.items():
         requests = encode_requests(model, requests)
         ours, meta["prefill_s"][name], engines[name] = run_kvlab(
-            model, name, requests, specs, engines.get(name), repeats=repeats
+            model, name, requests, specs, engines.get(name), cold=cold, repeats=repeats
         )
         mark_identity(ours)
         runs += ours
