@@ -267,8 +267,8 @@ print({name: warm[name].token_ids == cold[name].token_ids for name in prompts})
 # computed and the peak number of KV blocks held.
 
 # %%
-explorer = viz.SharingExplorer(
-    model, sharing.preamble_prompts(16), requests=max(SHARERS), max_new_tokens=4
+explorer = viz.SharingExplorer(  # its slider starts at 2 requests; the sweep adds the rest
+    model, sharing.preamble_prompts(16), requests=2, max_new_tokens=4
 )
 sweep = explorer.sweep(SHARERS)
 print(sweep.to_string(index=False))

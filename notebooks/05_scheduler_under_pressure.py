@@ -41,9 +41,9 @@
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
 # the model. `FULL_SIZE = True` runs the larger workloads: 32 tokens per request in the
-# burst instead of 16, victims up to 512 tokens instead of 256, 16 mixed requests instead
-# of 8 with long answers of 48 tokens instead of 24 (short ones 4 instead of 2), a
-# 768-token prompt instead of 384, and 24 tokens per request in the explorer instead of 12
+# burst instead of 8, victims up to 512 tokens instead of 256, 16 mixed requests instead
+# of 8 with long answers of 48 tokens instead of 16 (short ones 4 instead of 2), a
+# 768-token prompt instead of 384, and 24 tokens per request in the explorer instead of 8
 # (about a minute more on a CPU).
 
 # %%
@@ -74,17 +74,17 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
 FULL_SIZE = False  # True: longer answers, victims and prompt (the sizes listed above)
-BURST_TOKENS = 32 if FULL_SIZE else 16  # section 1: tokens per request of the burst
+BURST_TOKENS = 32 if FULL_SIZE else 8  # section 1: tokens per request of the burst
 VICTIMS = [32, 128, 256, 512] if FULL_SIZE else [32, 128, 256]  # section 3: victim lengths
-ANSWERS = [4, 4, 4, 48] if FULL_SIZE else [2, 2, 2, 24]  # section 5: short, short, short, long
+ANSWERS = [4, 4, 4, 48] if FULL_SIZE else [2, 2, 2, 16]  # section 5: short, short, short, long
 MIXED = 16 if FULL_SIZE else 8  # section 5: requests
 LONG_PROMPT, STREAM_TOKENS = (768, 40) if FULL_SIZE else (384, 24)  # section 6
-EXPLORER = dict(budget_tokens=128 if FULL_SIZE else 96, max_new_tokens=24 if FULL_SIZE else 12)
+EXPLORER = dict(budget_tokens=128 if FULL_SIZE else 96, max_new_tokens=24 if FULL_SIZE else 8)
 
 # %% [markdown]
 # ## 1 · A burst that does not fit
 #
-# Eight chat requests arrive at once, each asking for 16 tokens (`ignore_eos=True`, so
+# Eight chat requests arrive at once, each asking for 8 tokens (`ignore_eos=True`, so
 # every request produces exactly that many and every count below is the same on every
 # run). First they are served with plenty of memory: that run is the reference.
 
@@ -201,14 +201,14 @@ print(stalls.round(2).to_string())
 # Swap copies the victim's KV out and back: bytes proportional to its length, moved at
 # memory-copy speed. Recompute moves nothing but runs the victim's whole sequence through
 # the model again: a prefill of its length. `stress.preemption_cost` preempts one victim
-# of each length (the first tokens of a held-out text) five times, and times the copies
+# of each length (the first tokens of a held-out text) three times, and times the copies
 # and the step that resumes it. The counts first (of the first preemption):
 
 # %%
 text_ids = model.tokenizer.encode(texts.heldout())
 costs = pd.concat(
     [
-        stress.preemption_cost(model, text_ids, VICTIMS, mode, repeats=5)
+        stress.preemption_cost(model, text_ids, VICTIMS, mode, repeats=3)
         for mode in ("swap", "recompute")
     ]
 )
@@ -224,7 +224,7 @@ print(f"KV bytes per token: {calm.cache.pool.bytes_per_token}")
 print(moved.to_string())
 
 # %% [markdown]
-# and the times, medians of 5 preemptions of each victim. For swap the preemption adds
+# and the times, medians of 3 preemptions of each victim. For swap the preemption adds
 # two copies, timed on their own: `preempt_s` (out) and `copy_in_s` (back, before the
 # resume step's forward). For recompute it adds the prefill inside the resume step:
 # `resume_step_s - decode_step_s`. `decode_spread_s` is how much the plain decode steps
@@ -292,7 +292,7 @@ for gb_s in (25, 50):
 # ## 4 · Try it: the stress explorer
 #
 # Pick a KV budget (token slots), a burst size and a preemption policy: the widget
-# serves that burst live (12 tokens per request, blocks of 8) and redraws the requests and
+# serves that burst live (8 tokens per request, blocks of 8) and redraws the requests and
 # the free list. Start tight and give it more memory until the preemptions stop; switch
 # policy and watch red (recompute) bars turn orange (swap). (A few seconds per change on
 # a laptop CPU.)
@@ -311,7 +311,7 @@ StressExplorer(model, burst=6, policy="recompute", **EXPLORER)
 #
 # The scheduler runs at most `max_num_seqs=4` requests at a time. Eight chat requests
 # arrive together with mixed output lengths: three short answers (2 tokens) for every
-# long one (24 tokens). **Static** batching starts a new batch only when the whole
+# long one (16 tokens). **Static** batching starts a new batch only when the whole
 # previous one has finished, so the short answers' seats stay empty while the long one
 # finishes. **Continuous** batching fills a seat as soon as it is free.
 

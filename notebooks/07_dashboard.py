@@ -72,14 +72,16 @@ RESULTS = Path("../benchmarks/results")  # saved `kvlab compare` / `kvlab bench`
 #
 # Four document-QA requests (notebook 03): the same ~300-token assistant preamble, a
 # document, a question. To keep every design's run to seconds on a 2-core CPU we take a
-# seed whose documents are among the shortest (prompts of 457-576 tokens) and answers of
-# 8 to 32 tokens. All arrive at once and each produces exactly its `max_new_tokens`
-# (`ignore_eos`), so every design serves the same tokens, and every count below is the
-# same on every run and every machine.
+# seed whose documents are among the shortest (prompts of 457-576 tokens) and short
+# answers, 4 to 16 tokens (the prompts hold most of the KV and the work). All arrive at
+# once and each produces exactly its `max_new_tokens` (`ignore_eos`), so every design
+# serves the same tokens, and every count below is the same on every run and every
+# machine.
 
 # %%
 N, SEED = 4, 2387  # doc-QA requests, and a seed whose documents are among the shortest
-requests = workloads.doc_qa(n=N, seed=SEED, short_answer=(8, 16), long_answer=(24, 32))
+ANSWERS = {"short_answer": (4, 8), "long_answer": (12, 16)}  # max_new_tokens ranges
+requests = workloads.doc_qa(n=N, seed=SEED, **ANSWERS)
 encoded = encode_requests(model, requests)
 prompt_tokens = [len(r.prompt) for r in encoded]
 print("prompt tokens: ", prompt_tokens, "=", sum(prompt_tokens))
@@ -186,17 +188,17 @@ print(table[exact].to_string())
 #
 # * **naive** reserves a whole 1,024-slot region for each request: the budget holds one,
 #   so the requests run one at a time, and about half of what it reserves is never written
-#   (`waste_frac` **0.4876**<!-- out -->); the longer a server's `max_model_len`, the
+#   (`waste_frac` **0.4942**<!-- out -->); the longer a server's `max_model_len`, the
 #   larger that share.
 # * **paged** reserves blocks as tokens arrive; its waste is only the tail of each
-#   sequence's last block (**0.0138**<!-- out -->). kvlab's default admission admits a
+#   sequence's last block (**0.0118**<!-- out -->). kvlab's default admission admits a
 #   request as soon as the blocks for its first step's tokens are free, keeping none in
 #   reserve (its `watermark`, the share of blocks kept free, is 0 by default; vLLM V1
 #   keeps none either), and preempts if later growth runs out: so two requests run at
 #   once in the same bytes.
 # * **paged+prefix** stores the preamble once: `prefix_hit_rate` is the share of prompt
 #   tokens served from the cache (your answer above), the blocks saved make room for a
-#   third request, and the tokens computed drop from 2174<!-- out --> to 1262<!-- out -->.
+#   third request, and the tokens computed drop from 2144<!-- out --> to 1232<!-- out -->.
 # * **paged+prefix+int8** holds nearly 4× the tokens in the same bytes (your second
 #   answer above): all four requests run
 #   at once, and it reserves **14826240**<!-- out --> bytes at its peak where the others
@@ -252,15 +254,15 @@ figures["latency"].show()
 #
 # * On a CPU a forward's time grows with the tokens it computes: the cores are busy with
 #   arithmetic, whatever the batch. **naive** and **paged** compute the same tokens
-#   (2174<!-- out -->), paged in fewer, fuller steps (43<!-- out --> against
-#   59<!-- out -->), which saves only what every step costs besides arithmetic (Python,
+#   (2144<!-- out -->), paged in fewer, fuller steps (21<!-- out --> against
+#   29<!-- out -->), which saves only what every step costs besides arithmetic (Python,
 #   waking the threads); on a quiet machine that is little, on a loaded one (a load
 #   average above the cores) it is not, as every step also waits for the cores. On a GPU
 #   a decode step reads every weight once, whatever the batch, so two sequences in one
 #   step cost about what one does: that is where paging's extra concurrency turns into
 #   throughput, and why it matters so much there.
 # * **Prefix caching** skips the preamble's prefill, the largest share of this workload's
-#   work (1262<!-- out --> tokens computed instead of 2174), so it saves time on any
+#   work (1232<!-- out --> tokens computed instead of 2144), so it saves time on any
 #   machine.
 # * **int8** saves memory, not arithmetic: in the torch path its codes are decoded before
 #   attention, an extra step, so on a CPU it is no faster per token; its concurrency would
@@ -363,20 +365,23 @@ bench_figure(peers_run).show()
 # %% [markdown]
 # ## 7 · A live check of the plumbing
 #
-# The same harness, live, on four chat prompts of four new tokens: kvlab, both HF paths
-# and, where `make peers` has built it, vLLM (eager and in one process here, so it starts
-# in seconds; compiling its model takes minutes on a CPU). It checks that every system
-# runs and agrees on the greedy tokens; 16 tokens are far too few to time, so no timings
-# are compared.
+# The same harness, live, on four chat prompts of four new tokens: kvlab and both HF
+# paths, each run once (`warmup=False`: a warm-up pass only steadies timings, and nothing
+# here is timed). It checks that every system runs and agrees on the greedy tokens; 16
+# tokens are far too few to time, so no timings are compared. Set `LIVE_VLLM = True` to
+# add vLLM where `make peers` has built it: eager and in one process, so it starts in
+# tens of seconds on a 2-core CPU instead of the minutes that compiling its model takes.
 
 # %%
-missing = vllm_missing()
+LIVE_VLLM = False  # True: vLLM too, where `make peers` has built it (tens of s more)
+missing = vllm_missing() if LIVE_VLLM else "LIVE_VLLM is False"
 peers = DEFAULT_PEERS if missing else (*DEFAULT_PEERS, "vllm-eager")
 live = run_bench(
     model,
     workloads.uniform_chat(4, max_new_tokens=4),
     peers=peers,
     rounds=1,
+    warmup=False,
     workload="uniform chat x 4",
     vllm_inproc=True,
 )
@@ -409,7 +414,7 @@ dash = Dashboard(
     n=N,
     budget_mib=budget / 2**20,
     initial=result,
-    workload_options={"doc-qa": {"seed": SEED}, "uniform-chat": {"max_new_tokens": 8}},
+    workload_options={"doc-qa": {"seed": SEED, **ANSWERS}, "uniform-chat": {"max_new_tokens": 8}},
 )
 dash.widget()
 

@@ -55,7 +55,8 @@
 # tokens) and one chat prompt, answers of up to 32 tokens, n-gram drafts of k = 2, 4 and
 # 8: enough verified rows for the acceptance rates to mean something.
 # `FULL_SIZE = True` runs longer prompts (up to ~1,900 tokens), 64-token answers, k = 1
-# too, HF's prompt lookup and batch 16 (several minutes on a CPU).
+# too, HF's prompt lookup (each run then prefilling its prompt inside its time, as HF's
+# do) and batch 16 (several minutes on a CPU).
 
 # %%
 import os
@@ -192,13 +193,14 @@ rollback_animation(events[:16], block_size=4, rows=3)
 # `compare_speculation` runs every configuration at batch 1 on the same prompts, one
 # prompt at a time: no speculation, n-gram at each k in `KS` (2, 4, 8; 1 too at full
 # size), and the `layers` draft (the first 7 of 30 layers, k = 2); with `FULL_SIZE`, HF
-# `generate` plain and with `prompt_lookup_num_tokens=k` too. Each timed run starts from
-# an **empty prefix cache** (`reset_prefix_cache`) and prefills its prompt inside its own
-# time, as HF's runs do (the engine above is reused only to save the untimed warm-up's
-# first-call costs). Then n-gram at k = 4 against none as the batch grows (those prompts
-# prefilled first, untimed). Tokens per forward and acceptance are deterministic on
-# greedy runs; `decode_forwards` counts the forwards behind them (every decode row, with
-# or without drafts):
+# `generate` plain and with `prompt_lookup_num_tokens=k` too. Speculation speeds up
+# decoding, not the prefill, so each prompt is prefilled once, untimed, into the prefix
+# cache (the engine above is reused: it holds the first prompt already), and every
+# timed run decodes from its cached K/V (`cold=FULL_SIZE`: with HF in the comparison,
+# each run instead starts from an **empty prefix cache** and prefills inside its own
+# time, as HF's runs do). Then n-gram at k = 4 against none as the batch grows.
+# Tokens per forward and acceptance are deterministic on greedy runs; `decode_forwards`
+# counts the forwards behind them (every decode row, with or without drafts):
 
 # %%
 result = speculative.compare_speculation(
@@ -208,7 +210,7 @@ result = speculative.compare_speculation(
     hf=FULL_SIZE,
     sweep_batch_sizes=(1, 4, 16) if FULL_SIZE else (1, 4),
     engines={"doc-qa": engine},
-    repeats=2,  # kvlab's timed runs twice, in interleaved rounds: each keeps its faster
+    cold=FULL_SIZE,  # False: every run decodes from its prompt's cached K/V
 )
 frame = result.frame()
 frame["decode_forwards"] = [r.decode_forwards for r in result.runs]
@@ -227,13 +229,14 @@ print("mismatches:", result.mismatches())
 # poor guesser on a model this small: 0.013<!-- out --> of its drafts accepted on doc-QA.
 #
 # The timings (speed-ups are over the same system without speculation; `decode_tok_s`
-# leaves out the prefill, `wall_tok_s` holds it). Each kvlab configuration ran twice per
-# prompt, in interleaved rounds, and keeps its faster round, so a burst of other work on
-# this shared machine slows a round of every configuration rather than one
-# configuration's only run. The chat n-gram rows are the yardstick: n-gram drafted only a
-# handful of tokens there and none was accepted, so their speed-ups should be about 1.0,
-# and how far they stray is this run's noise. The cell prints the load average (runnable
-# processes) beside the 2 cores.
+# counts decode steps only, `wall_tok_s` the whole `generate` call, here little more as
+# the prompt comes from the prefix cache). Each configuration ran once per prompt, the
+# order of the configurations alternating from prompt to prompt (`repeats=2` runs each
+# twice in interleaved rounds and keeps the faster, steadier on a busy machine). The
+# chat n-gram rows are the yardstick: n-gram drafted only a handful of tokens there and
+# none was accepted, so their speed-ups should be about 1.0, and how far they stray is
+# this run's noise. The cell prints the load average (runnable processes) beside the 2
+# cores.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -44,9 +44,9 @@
 # 4. what breaks when replicas disagree on block size or hash seed.
 #
 # Set-up: one cell picks the device (CUDA if present, else CPU), seeds torch and loads
-# the model. `FULL_SIZE = True` runs 10 sessions with 32-token answers and compares all
-# four policies in section 3 (the default compares three: least-loaded spreads
-# conversations as round-robin does).
+# the model. `FULL_SIZE = True` runs 10 sessions with 32-token answers, documents twice
+# as long on replicas with twice the KV, and compares all four policies in section 3
+# (the default compares three: least-loaded spreads conversations as round-robin does).
 
 # %%
 import platform
@@ -71,28 +71,30 @@ pio.renderers.default = "plotly_mimetype"
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = kvlab.load_model(device=device, progress=False)
-FULL_SIZE = False  # True: 10 sessions of 3 turns and 32-token answers (minutes on 2 cores)
+FULL_SIZE = False  # True: 10 sessions of 3 turns, 32-token answers (minutes on 2 cores)
 SESSIONS, MAX_TOKENS = (10, 32) if FULL_SIZE else (5, 4)  # not a multiple of 3 replicas
+# Each session's document, and each replica's KV (its working set stays 1-3 replicas' KV)
+DOC_CHARS, KV_TOKENS = (1200, 1024) if FULL_SIZE else (600, 512)
 COMPARED = viz.POLICY_ORDER[:3] if FULL_SIZE else ["round-robin", "approx-prefix"]
 
 # %% [markdown]
 # ## 1 · Three replicas, one router, and what the router knows
 #
 # `ThreadFleet` starts three replicas as `kvlab serve` runs them (an engine, its loop
-# thread, an HTTP server on a free port), each with **1,024 tokens of KV** and publishing
+# thread, an HTTP server on a free port), each with **512 tokens of KV** and publishing
 # its KV events on free ports, and kvlab's router (`kvlab route`) in front, subscribed to
 # all three. Everything is in this process so it starts in seconds; `kvlab route` and
 # `benchmarks/replicas.py` run the same parts as separate processes.
 #
-# The workload: chat sessions of 3 turns, each opening with a document (a few hundred
-# tokens) and a question, each later turn one more question; two tenants, each its own
-# `cache_salt`. Its working set is ~2,000 tokens: more than one replica holds, less than
-# three. (5 sessions, not 6: with a multiple of 3, round-robin would send every turn of a
+# The workload: chat sessions of 3 turns, each opening with a document (600 characters,
+# ~150 tokens) and a question, each later turn one more question; two tenants, each its own
+# `cache_salt`. Its working set is ~1,000 tokens: more than one replica holds, less
+# than three. (5 sessions, not 6: with a multiple of 3, round-robin would send every turn of a
 # session to the same replica by accident.)
 
 # %%
-sessions = tenant_sessions(SESSIONS, turns=3, tenants=2, max_doc_chars=1200)
-fleet = viz.ThreadFleet(model, n=3, budget_tokens=1024)
+sessions = tenant_sessions(SESSIONS, turns=3, tenants=2, max_doc_chars=DOC_CHARS)
+fleet = viz.ThreadFleet(model, n=3, budget_tokens=KV_TOKENS)
 for engine, replica in zip(fleet.engines(), fleet.router.replicas):
     print(f"{replica.name}: {engine.cache.num_blocks} blocks of {engine.cache.block_size} tokens")
 print(f"{len(sessions)} sessions x 3 turns, tenants {sorted({s.salt for s in sessions})}")
@@ -235,10 +237,10 @@ viz.policy_bars(results)
 # Round-robin (and least-loaded) spread each conversation over all three replicas: every
 # replica ends up caching every session, three times the working set, so the LRU evicts
 # what the next turn needs and most prompts are computed again (round-robin's prefix hit
-# rate is 28%<!-- out --> here). The precise policy keeps each session on one replica
-# (69%<!-- out -->): what a replica caches is a third of the working set and fits. Fewer
+# rate is 43%<!-- out --> here). The precise policy keeps each session on one replica
+# (70%<!-- out -->): what a replica caches is a third of the working set and fits. Fewer
 # prompt tokens to compute is a shorter prefill, hence the lower time to first token.
-# The approximate policy gets the affinity without events (69%<!-- out -->), but it
+# The approximate policy gets the affinity without events (75%<!-- out -->), but it
 # guesses: it never learns that a replica evicted a block (here that rarely matters; on
 # a full cache it routes to prefixes that are gone). Between the two prefix policies the
 # time to first token differs by noise at this size (5 sessions, one run each, on a
@@ -273,12 +275,12 @@ odd = [
     EngineConfig(cache="paged", prefix_caching="hash", block_size=16,
                  prefix_caching_hash_algo="sha256_cbor", prefix_caching_hash_seed="0"),
 ]  # fmt: skip
-with viz.ThreadFleet(model, configs=odd, budget_tokens=1024) as mixed:
+with viz.ThreadFleet(model, configs=odd, budget_tokens=KV_TOKENS) as mixed:
     print(viz.disagreement(mixed, ids).to_string())
 
 # %% [markdown]
-# Every replica cached the prompt (r1 reported its 8<!-- out --> blocks of 32 tokens);
-# the router finds all 17<!-- out --> of r0's blocks and none of the others'. Both r1
+# Every replica cached the prompt (r1 reported its 5<!-- out --> blocks of 32 tokens);
+# the router finds all 10<!-- out --> of r0's blocks and none of the others'. Both r1
 # and r2 would still *serve* correctly (each engine matches its own hashes), but a
 # precise router cannot see their caches and routes to them blind, as round-robin
 # would. The fix is configuration, and it is why routers ask for it: llm-d's precise
@@ -299,7 +301,7 @@ with viz.ThreadFleet(model, configs=odd, budget_tokens=1024) as mixed:
 # ## What to try next
 #
 # * Set `FULL_SIZE = True`: more sessions and longer answers, a cache under more pressure.
-# * `ThreadFleet(model, 3, budget_tokens=4096)`: every replica holds the whole working set,
+# * `ThreadFleet(model, 3, budget_tokens=2048)`: every replica holds the whole working set,
 #   and round-robin catches up (affinity matters only when the fleet's KV is the limit).
 # * `ThreadFleet(..., load_guard=0)`: the precise policy sends a request home only when its
 #   replica is the least busy; watch the reasons in the live figure.
