@@ -70,8 +70,9 @@ def record(pool, log: list) -> None:
 
 
 def arrive(model, transfer, kv_codec=None, log=None):
-    """A consumer engine receives `transfer` and loads it as the scheduler would at
-    swap-in. Returns (engine, connector, sequence, received)."""
+    """A consumer engine receives `transfer`; the caller then takes its blocks
+    (`allocate_computed`) and loads it, as the scheduler does at swap-in. Returns (engine,
+    connector, sequence, received)."""
     decode = engine(model, kv_codec)
     consumer = PrefillDecodeConnector("kv_consumer", decode.cache)
     if log is not None:
@@ -88,8 +89,9 @@ def test_round_trip_is_bit_exact(tiny_model, kv_codec):
     decode, consumer, seq, received = arrive(tiny_model, transfer, kv_codec)
     assert received and consumer.get_num_new_matched_tokens(seq, 0) == (len(PROMPT), False)
     seq.num_computed = len(PROMPT)
-    consumer.load(seq)
     cache = decode.cache
+    assert cache.allocate_computed(seq, alone=True) is not None  # as the scheduler's swap-in
+    consumer.load(seq)
     back = cache.pool.read(cache.position_slots(seq, 0, len(PROMPT)))
     assert same_bytes(back, whole)
     assert consumer.stats.requests == 1 and consumer.stats.bytes == whole.nbytes
@@ -125,6 +127,7 @@ def test_per_layer_calls_run_in_layer_order(tiny_model):
     transfer, _ = prefill(tiny_model, log=saves)
     decode, consumer, seq, _ = arrive(tiny_model, transfer, log=loads)
     seq.num_computed = len(PROMPT)
+    assert decode.cache.allocate_computed(seq, alone=True) is not None
     consumer.load(seq)
     layers = range(tiny_model.hf_model.config.num_hidden_layers)
     assert saves == [("read_layer", layer) for layer in layers]
