@@ -14,7 +14,7 @@
 # # 05 · The scheduler under pressure
 #
 # *Engine files shown here:* `kvlab/engine/scheduler.py` (preemption, swap, chunked prefill),
-# `kvlab/cache/admission.py` (watermark admission), `kvlab/cache/swap_retention.py` (swap
+# `kvlab/cache/admission.py` (watermark admission), `kvlab/cache/paged.py` (swap
 # out/in), `kvlab/experiments/stress.py`.
 #
 # *Lesson plan (50 min):* sections 1-4 (preemption: the burst, the run request by request,

@@ -17,7 +17,7 @@
 # `kvlab/speculative/layers.py` (a self-speculative draft from the model's first layers),
 # `kvlab/speculative/verify.py` (greedy acceptance, rejection sampling),
 # `kvlab/speculative/speculator.py` (plan, draft, verify, rollback), `kvlab/cache/base.py`
-# and `kvlab/cache/swap_retention.py` (`KVCache.rewind`),
+# and `kvlab/cache/paged.py` (`KVCache.rewind`),
 # `kvlab/engine/scheduler.py` (1 + k slots per decode), `kvlab/engine/core.py`;
 # measured by `kvlab/experiments/speculative.py` and `kvlab/peers/spec_hf.py`,
 # drawn by `kvlab/viz/speculative.py`.

@@ -17,7 +17,7 @@
 # # 11 · Long context on a budget: windows, sinks and eviction
 #
 # *Engine files shown here:* `kvlab/cache/retention/` (`base.py`, `full.py`, `window.py`,
-# `sinks.py`, `h2o.py`, `scores.py`), `kvlab/cache/swap_retention.py` (`retain`),
+# `sinks.py`, `h2o.py`, `scores.py`), `kvlab/cache/paged.py` (`retain`),
 # `kvlab/model/metadata.py` (`build_retained_metadata`), `kvlab/experiments/longctx.py`,
 # `kvlab/viz/retention.py`.
 #
@@ -52,9 +52,9 @@ import torch
 from IPython.display import display
 
 import kvlab
+from kvlab.cache.paged import PagedCache
 from kvlab.cache.retention import DROPPED, RETENTION, RetentionPolicy
 from kvlab.cache.retention.sinks import SinksRetention
-from kvlab.cache.swap_retention import SwapAndRetention
 from kvlab.config import EngineConfig, SamplingParams
 from kvlab.course import ask, show_source
 from kvlab.experiments import longctx, quality
@@ -135,7 +135,7 @@ block_map_figure(trace)
 # %%
 display(show_source(RetentionPolicy, start="def candidates", end="return max("))
 display(show_source(SinksRetention.drop))
-show_source(SwapAndRetention.retain)
+show_source(PagedCache.retain)
 
 # %% [markdown]
 # Without sinks (`retention="window"`) block 0 goes as well:
@@ -231,9 +231,9 @@ memory_figure(memory)
 # ## Needle in a haystack: the model's own recall first
 #
 # A fact ("The magic number of Corran is 4721.") placed at three depths (0.1, 0.7 and
-# 0.9) of a 512-token haystack made of kvlab's documents, then a question. Before any eviction: how well does
-# this 135M model recall it with its full KV? That is the ceiling every policy is
-# measured against.
+# 0.9) of a 512-token haystack made of kvlab's documents, then a question. Before any
+# eviction: how well does this 135M model recall it with its full KV? That is the
+# ceiling every policy is measured against.
 
 # %%
 needles = longctx.needle_set(model.tokenizer, NEEDLE_LENGTHS, NEEDLE_DEPTHS)

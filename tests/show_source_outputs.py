@@ -29,8 +29,10 @@ def notebooks() -> list[Path]:
     return sorted([*NOTEBOOKS.glob("*.ipynb"), *NOTEBOOKS.glob("labs/source/*/*.ipynb")])
 
 
-def _code_now(where: str, a: int, b: int) -> str:
-    """Lines a..b of `where`, dedented as show_source dedents them."""
+def _code_now(where: str, a: int, b: int) -> str | None:
+    """Lines a..b of `where`, dedented as show_source dedents them (None: no such file)."""
+    if not (ROOT / where).is_file():
+        return None
     lines = (ROOT / where).read_text(encoding="utf-8").splitlines()[a - 1 : b]
     indent = min((len(s) - len(s.lstrip()) for s in lines if s.strip()), default=0)
     return "\n".join(s[indent:] for s in lines)

@@ -136,7 +136,7 @@ class TierConnector(KVConnector):
             text = f"tiers: {len(loaded)} block(s) ({len(loaded) * bs} tokens) loaded back"
             seq.notes.append(Note("tiers", "promoted", text + " onto the device"))
         for block in chain:
-            allocator.decref(block, keep_cached=cache._indexed(block))
+            allocator.decref(block, keep_cached=cache.sharing.indexed(block))
         return len(loaded)
 
     def _worth_walking(self, keys: list[bytes]) -> bool:
@@ -256,7 +256,7 @@ class TierConnector(KVConnector):
         moved = 0
         for block in list(self.cache.allocator.cached):
             self.on_evict(block)
-            self.cache._forget(block)
+            self.cache.sharing.forget(block)
             self.cache.allocator.uncache(block)
             moved += 1
         return moved
