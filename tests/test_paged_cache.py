@@ -76,6 +76,29 @@ def test_admission_counts_the_worst_case():
         cache.check_fits(huge)
 
 
+def test_a_swapped_out_sequence_returns_only_with_its_worst_case_under_reserve():
+    """Reserve admission promises every running sequence its worst case, so a sequence
+    swapped back in (or a KV arrival) must find its own worst case, not only the blocks
+    it holds now (the engine fuzz found it: a hand preemption under reserve, then a
+    swap-in that left the promises larger than the blocks available)."""
+    cache = _cache(num_blocks=8, block_size=16)
+    a, b = (Sequence(i, [i + 1] * 16, SamplingParams(max_new_tokens=48)) for i in (0, 1))
+    c = Sequence(2, [3] * 16, SamplingParams(max_new_tokens=16))  # 2 blocks at worst
+    for seq in (a, b):  # 4 blocks each at worst, 1 held
+        assert cache.allocate_slots(seq) is not None
+        seq.num_computed = 16
+    saved = cache.swap_out(b)
+    assert cache.allocate_slots(c) is not None
+    # a and c hold a block each and are promised 3 + 1 more: 6 available, room for 2
+    assert cache.allocate_computed(b) is None  # b with its next token fits 2, not its worst 4
+    assert b.request_id not in cache.sequences and cache.allocator.num_used == 2
+    cache.check_integrity()
+    cache.free(c)
+    assert len(cache.allocate_computed(b)) == 1  # its 16 tokens; the 17th grows later
+    cache.swap_in(b, saved)
+    cache.check_integrity()
+
+
 @settings(max_examples=60, deadline=None)
 @example(block_size=1, num_blocks=4, ops=[("admit", 3)] + [("grow", 0)] * 3)  # to max_model_len
 @given(

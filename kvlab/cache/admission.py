@@ -49,6 +49,12 @@ class AdmissionPolicy:
         """Blocks kept free for running sequences to grow into."""
         return 0
 
+    def resume_blocks(self, seq: Sequence, held: int) -> int:
+        """Blocks `seq` must find to run again holding `held` blocks of KV written in from
+        outside (swap-in, a disaggregated arrival): those, and what this policy would
+        promise it."""
+        return held
+
     def check_group(self, seq: Sequence) -> None:
         """Raise ValueError if the request could never be admitted under this policy."""
 
@@ -98,6 +104,10 @@ class ReserveAdmission(AdmissionPolicy):
 
     def promised(self) -> int:
         return sum(self.future_blocks(seq) for seq in self.cache.sequences.values())
+
+    def resume_blocks(self, seq: Sequence, held: int) -> int:
+        """Its worst case, as at admission: once it runs, it is promised the rest."""
+        return max(held, worst_case_blocks(self.cache, seq)) + unforked_blocks(self.cache, seq)
 
     def future_blocks(self, seq: Sequence) -> int:
         """Blocks `seq` may still take: growth to its worst case, a copy of the shared

@@ -246,7 +246,8 @@ class PagedCache(KVCache):
         kvlab.disagg) -> the table; or None, and nothing taken, when the blocks would
         endanger running sequences (`alone`: none is running). Deciding and taking are one
         call, as in `allocate_slots`."""
-        need = ceil_div(seq.num_computed + 1, self.block_size)
+        held = ceil_div(seq.num_computed + 1, self.block_size)
+        need = self.admission.resume_blocks(seq, held)  # reserve: its worst case
         room = self.allocator.num_available - self.admission.promised()
         if need > room - self.admission.headroom(alone):
             return None
