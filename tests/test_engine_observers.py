@@ -1,11 +1,17 @@
 """Step observers (kvlab.engine.observers): called at their points, in order, with what
-the step computed; unsubscribed, never again; a point that does not exist is a ValueError."""
+the step computed; unsubscribed, never again; a point that does not exist is a ValueError;
+and no part patches another instead."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
 import kvlab
+from kvlab.cache.base import KVCache
+from kvlab.cache.paged import PagedCache
 from kvlab.engine.observers import POINTS, StepObservers
 
 
@@ -41,3 +47,25 @@ def test_a_point_that_does_not_exist_is_named():
     with pytest.raises(ValueError, match="no step point 'after_forward'; the points: "):
         StepObservers().subscribe("after_forward", print)
     assert POINTS == ("before_schedule", "after_compute", "after_step")
+
+
+def test_no_part_patches_another_or_probes_the_cache():
+    """Issue 49's rule, as its grep: outside the part that owns it, nothing in kvlab replaces
+    an engine's step or compute or a runner's attention (they subscribe to observers or
+    call `runner.use_attention`), probes the cache with getattr (capabilities say what a part
+    can do), or asks `can_admit` (allocate_slots decides and takes); the paged cache holds
+    its parts as members, not mixin bases."""
+    owners = {"kvlab/model/runner.py"}  # the runner sets its own attention_fn
+    pattern = re.compile(
+        r"can_admit|getattr\(self\.cache|engine\.step = |_compute = |attention_fn = "
+    )
+    root = Path(kvlab.__file__).parent
+    found = [
+        f"{path.relative_to(root.parent)}:{n}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if str(path.relative_to(root.parent)) not in owners
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert PagedCache.__bases__ == (KVCache,)

@@ -229,7 +229,7 @@ class _Run:
             f"q, k, v = kv_inputs({tokens}, num_heads={heads}, num_kv_heads={kv_heads}, "
             f"head_dim={head_dim}, draw={draw})",
         ]
-        self.cache = cls(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+        self.learner = cls(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
         self.total = 0
 
     def text(self) -> str:
@@ -241,10 +241,10 @@ class _Run:
     def append(self, n: int) -> None:
         a, b = self.total, self.total + n
         self.lines.append(f"cache.append(k[{a}:{b}], v[{a}:{b}])")
-        self.cache.append(self.k[a:b].clone(), self.v[a:b].clone())
+        self.learner.append(self.k[a:b].clone(), self.v[a:b].clone())
         self.total = b
         for name in ("k", "v"):
-            stored, want = getattr(self.cache, name, None), getattr(self, name)[:b]
+            stored, want = getattr(self.learner, name, None), getattr(self, name)[:b]
             if not isinstance(stored, torch.Tensor):
                 raise self.broken(
                     KEEPS,
@@ -286,7 +286,7 @@ class _Run:
         self.lines.append(f"out = cache.attend(q[{a}:{b}])")
         q = self.q[a:b]
         try:
-            out = self.cache.attend(q.clone())
+            out = self.learner.attend(q.clone())
         except Exception as error:
             if invariant != GQA:
                 raise
@@ -320,7 +320,7 @@ class _Run:
 def _check_shapes(cls) -> None:
     run = _Run(cls, 2, 2, 4, 3, 0)
     for name in ("k", "v"):
-        stored = getattr(run.cache, name, None)
+        stored = getattr(run.learner, name, None)
         if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != (0, 2, 4):
             shape = tuple(stored.shape) if isinstance(stored, torch.Tensor) else stored
             raise run.broken(
@@ -330,16 +330,16 @@ def _check_shapes(cls) -> None:
                 "keep the __init__ given: torch.empty(0, num_kv_heads, head_dim, dtype=dtype)",
             )
     run.lines.append("cache.append(k, v)")
-    run.cache.append(run.k.clone(), run.v.clone())
+    run.learner.append(run.k.clone(), run.v.clone())
     for name in ("k", "v"):
-        stored = getattr(run.cache, name)
+        stored = getattr(run.learner, name)
         if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != (3, 2, 4):
             shape = tuple(stored.shape) if isinstance(stored, torch.Tensor) else stored
             raise run.broken(SHAPES, f"cache.{name} is {shape}", "shape (3, 2, 4): 3 tokens cached")
         if stored.dtype != torch.float32:
             raise run.broken(SHAPES, f"cache.{name}.dtype is {stored.dtype}", "torch.float32")
     run.lines.append("out = cache.attend(q)")
-    out = run.cache.attend(run.q.clone())
+    out = run.learner.attend(run.q.clone())
     if not isinstance(out, torch.Tensor):
         raise run.broken(SHAPES, f"attend returned a {type(out).__name__}", "a torch.Tensor")
     if tuple(out.shape) != (3, 2, 4) or out.dtype != torch.float32:
