@@ -14,7 +14,8 @@ code cells, ok or error (the first failing cell and its error), the slowest cell
 whether it ran ok within --budget seconds, the date it ran and the load average then;
 plus the machine: architecture, CPU cores and the torch threads a kernel gets (set them
 with --threads or OMP_NUM_THREADS). --update re-times some notebooks: their new rows
-replace their old ones in --out, and every other row stays as it was measured.
+replace their old ones in --out, and every other row stays as it was measured (and the
+provenance block `make notebook-times` stamps on the table).
 --store writes each notebook that ran ok back over its file: its stored outputs become
 this timed run's (re-executing the course on a quiet machine and timing it is one pass).
 """
@@ -224,8 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
                 file=sys.stderr,
                 flush=True,
             )
-    if args.update:
-        rows = merged(json.loads(args.out.read_text())["notebooks"], rows)
+    if args.update:  # the other rows, and the provenance block stamp.py gave the table
+        old = json.loads(args.out.read_text())
+        rows = merged(old["notebooks"], rows)
+        if "provenance" in old:
+            result = {"provenance": old["provenance"], **result}
     result["notebooks"] = rows
     result["all_within_budget"] = all(r["within_budget"] for r in rows)
     print(table(rows, args.budget), file=sys.stderr, flush=True)

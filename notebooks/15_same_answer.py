@@ -229,7 +229,8 @@ ask("15.which-flips", my_pick, fp32_change=fp32["max_change"].max(),
 # changes the logits by orders of magnitude more than the fp32 drift itself (compare the
 # two `max_logit_change` columns). Whether an answer parts then depends on the margins
 # it meets: the table above lists the partings of this run. On the machine of the stored
-# run (AVX-512) it is empty: the int8 logits moved, but no answer parted in 16 tokens.
+# run (a 2-core Intel Xeon with AVX-512 and AMX) it is empty: the int8 logits moved, but
+# no answer parted in 16 tokens.
 # The prompts were chosen by a saved search on another machine (AVX2), over 16 prompts
 # and 32 tokens each, which lists every parting it found there (this notebook runs the
 # two earliest):

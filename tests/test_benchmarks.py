@@ -185,15 +185,18 @@ def test_notebook_times_quick(tmp_path, capsys):
 
 
 def test_notebook_times_update_replaces_only_the_rows_it_timed(tmp_path):
-    """--update keeps the other rows of --out as they were and replaces the timed one."""
+    """--update keeps the other rows of --out as they were, and its provenance block, and
+    replaces the timed one."""
     out = tmp_path / "notebook_times.json"
     row = {"cells": 1, "status": "ok", "within_budget": True}
     old = [
         {"notebook": "01_old.ipynb", "wall_s": 9.0, **row},
         {"notebook": "00_tiny.ipynb", "wall_s": 0, **row},
     ]
-    out.write_text(json.dumps({"notebooks": old}))
+    stamp = {"benchmark": "each notebook's wall time", "date": "2026-12-06"}
+    out.write_text(json.dumps({"provenance": stamp, "notebooks": old}))
     result = load_script("notebook_times").main(["--quick", "--out", str(out), "--update"])
+    assert result["provenance"] == stamp
     first, tiny = result["notebooks"]
     assert first == old[0] and tiny["notebook"] == "00_tiny.ipynb" and tiny["wall_s"] > 0
     assert json.loads(out.read_text()) == result

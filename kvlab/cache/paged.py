@@ -53,9 +53,9 @@ class PagedCache(KVCache):
         super().__init__(pool, block_size, max_model_len, poison_freed)
         name = "reserve" if watermark is None else "watermark"
         self.admission = ADMISSIONS[name](self, watermark or 0.0)
-        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evict)
+        allocator = BlockAllocator(self.num_blocks, on_evict=self._evict)
         self.sharing = PrefixSharing(
-            prefix_index, block_size, self.allocator, self.sequences, pool.codec.alignment
+            prefix_index, block_size, allocator, self.sequences, pool.codec.alignment
         )
         self.tables: dict[int, list[int]] = {}  # request id -> block table
         self.copied_blocks = 0  # copy-on-write copies made
@@ -64,9 +64,27 @@ class PagedCache(KVCache):
         self.connector = connector(self) if connector else None  # the tiers, if any
 
     @property
+    def allocator(self) -> BlockAllocator:
+        """The block allocator: free, used and cached blocks (prefix sharing reads it too)."""
+        return self.sharing.allocator
+
+    @allocator.setter
+    def allocator(self, allocator: BlockAllocator) -> None:
+        """Use another allocator (the labs plug a learner's in, before any request)."""
+        self.sharing.allocator = allocator
+
+    @property
     def index(self) -> PrefixIndex | None:
         """The prefix index (None without prefix caching); `sharing` owns it."""
         return self.sharing.index
+
+    @index.setter
+    def index(self, index: PrefixIndex | None) -> None:
+        """Use another prefix index (the capstone plugs a learner's block hash in): only
+        before any request, as prefix sharing starts afresh around it."""
+        require(not self.tables, "the prefix index is replaced only before any request")
+        bs, alignment = self.block_size, self.pool.codec.alignment
+        self.sharing = PrefixSharing(index, bs, self.allocator, self.sequences, alignment)
 
     @classmethod
     def slot_unit(cls, config, max_model_len: int) -> tuple[str, int]:
