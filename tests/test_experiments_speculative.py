@@ -119,39 +119,23 @@ def test_rollback_animation_frames(tiny_model):
         assert f"{len(e.drafts)} drafts, {e.accepted} accepted" in describe_event(e)
 
 
-def test_repeats_keep_the_first_rounds_counts_and_the_fastest_times(tiny_model, result):
+@pytest.mark.parametrize("variant", [{"repeats": 2}, {"cold": False}], ids=["repeats", "warm"])
+def test_repeated_and_warm_runs_keep_the_counts_of_one_cold_round(tiny_model, result, variant):
     """repeats=2: every configuration runs twice in interleaved rounds; the counts are the
-    first round's (drafts are not counted twice), the times each one's fastest."""
+    first round's (drafts are not counted twice), the times each one's fastest. cold=False
+    (notebook 09): every run decodes from its prompt's cached K/V instead of prefilling it
+    from an empty prefix cache. Either way tokens, forwards and drafts are the same."""
     workloads = {"loops": [Request(p, NEW_TOKENS) for p in PROMPTS]}
-    twice = speculative.compare_speculation(
+    other = speculative.compare_speculation(
         tiny_model, workloads, ks=(2,), layers_k=1, hf=False, sweep_workload="loops",
-        sweep_batch_sizes=(1, 3), sweep_k=2, ngram_min=1, repeats=2,
+        sweep_batch_sizes=(1, 3), sweep_k=2, ngram_min=1, **variant,
     )  # fmt: skip
     once = [r for r in result.runs if r.system == "kvlab"]
-    assert len(twice.runs) == len(once)
-    for a, b in zip(once, twice.runs):
+    assert len(other.runs) == len(once) and other.mismatches() == []
+    for a, b in zip(once, other.runs):
         assert (a.name, a.batch_size, a.part) == (b.name, b.batch_size, b.part)
         assert (a.output_tokens, a.decode_forwards, a.drafted, a.accepted) == (
             b.output_tokens, b.decode_forwards, b.drafted, b.accepted
         )  # fmt: skip
         assert a.outputs == b.outputs and b.identical
         assert 0 < b.decode_s <= b.wall_s
-
-
-def test_warm_runs_keep_the_counts_of_cold_ones(tiny_model, result):
-    """cold=False (notebook 09): every run decodes from its prompt's cached K/V instead of
-    prefilling it from an empty prefix cache; tokens, forwards and drafts are the same."""
-    workloads = {"loops": [Request(p, NEW_TOKENS) for p in PROMPTS]}
-    warm = speculative.compare_speculation(
-        tiny_model, workloads, ks=(2,), layers_k=1, hf=False, sweep_workload="loops",
-        sweep_batch_sizes=(1, 3), sweep_k=2, ngram_min=1, cold=False,
-    )  # fmt: skip
-    cold = [r for r in result.runs if r.system == "kvlab"]
-    assert len(warm.runs) == len(cold)
-    for a, b in zip(cold, warm.runs):
-        assert (a.name, a.batch_size, a.part) == (b.name, b.batch_size, b.part)
-        assert (a.output_tokens, a.decode_forwards, a.drafted, a.accepted) == (
-            b.output_tokens, b.decode_forwards, b.drafted, b.accepted
-        )  # fmt: skip
-        assert a.outputs == b.outputs and b.identical
-    assert warm.mismatches() == []
