@@ -2,18 +2,19 @@
 
 For each lab: `generate_assignment` on its source (notebooks/labs/source/<lab>/<lab>.ipynb)
 with notebooks/labs/nbgrader_config.py must make exactly the committed student notebook;
-`autograde` then grades a solved submission (full marks), known-wrong answers from
-tests/lab_mistakes.py (each loses the points of the checks it fails, visible or hidden,
-and its feedback page shows kvlab's report of the broken invariant, never the hidden tests)
-and, with KVLAB_NBGRADER_ALL=1, the untouched student version (0, every check cell saying
-"not implemented yet"; tests/test_labs.py runs the committed student notebooks in every
-`make test` and checks that).
+`autograde` then grades known-wrong answers from tests/lab_mistakes.py (each loses the
+points of the checks it fails, visible or hidden, keeps those of the checks it passes, and
+its feedback page shows kvlab's report of the broken invariant, never the hidden tests)
+and, with KVLAB_NBGRADER_ALL=1, a solved submission (full marks) and the untouched student
+version (0, every check cell saying "not implemented yet"). `make test` runs the solved
+sources, hidden tests included, under nbval and tests/test_labs.py, and the committed
+student notebooks in tests/test_labs.py.
 
 nbgrader is the optional `grading` extra, installed by `make test-grading` in its own venv
 (.venv-grading, layered on .venv: nbgrader turns on Jupyter extensions wherever it is
 installed, and the learners' JupyterLab stays without them); elsewhere this file skips.
-One known-wrong answer per lab by default; KVLAB_NBGRADER_ALL=1 hands in every one, and
-the student version.
+One known-wrong answer per lab by default; KVLAB_NBGRADER_ALL=1 hands in every one, the
+solved source and the student version.
 Each submission is one kernel start (torch import included): ~5-10 s on 2 cores.
 """
 
@@ -67,9 +68,9 @@ def _mistakes(name: str) -> list[Mistake]:
 
 def _submissions(name: str) -> dict[str, str | None]:
     """{student: their exercise cell}; None hands in the student version untouched."""
-    subs: dict[str, str | None] = {"solved": _solved_cell(name)}
+    subs: dict[str, str | None] = {}
     if EVERY_MISTAKE:
-        subs["unsolved"] = None
+        subs.update({"solved": _solved_cell(name), "unsolved": None})
     subs.update({m.name: submission(m) for m in _mistakes(name)})
     return subs
 
@@ -192,8 +193,8 @@ def test_autograde_gives_each_submission_the_points_of_the_checks_it_passes(cour
         assert score == sum(cells.values()), who
     # The solved source passes every check on both seeds (tests/test_labs.py runs it), so
     # its hand-in gets every point; the untouched student version gets none.
-    assert scores["solved"][2] == _expected_cells(name, set())
-    if "unsolved" in subs:
+    if EVERY_MISTAKE:
+        assert scores["solved"][2] == _expected_cells(name, set())
         assert scores["unsolved"][0] == 0
     for mistake in _mistakes(name):
         shown, hidden = _failures(name, subs[mistake.name])
