@@ -206,6 +206,38 @@ def test_a_tenant_past_its_places_and_queue_gets_429_and_others_go_on(tiny_model
     assert queued["kvlab:tenant_requests_total{tenant=bob,length}"] == 1
 
 
+def test_the_gate_counts_exactly_at_every_await():
+    """Requests that arrive together: one holds the place, one waits, the next is refused;
+    a leaving request hands its place straight to the waiter, and a waiter that leaves
+    frees its spot in the queue (the counts never include a request in two states)."""
+    from kvlab.serve.gate import TenantGate, TooBusy
+
+    async def play():
+        gate = TenantGate(ServeLimits(tenant_max_running=1, tenant_max_queued=1))
+        never = asyncio.get_running_loop().create_future()
+        first = asyncio.ensure_future(gate.enter("a", never))
+        waiter = asyncio.ensure_future(gate.enter("a", never))
+        for _ in range(3):  # both run to their first await, and their wake-ups run
+            await asyncio.sleep(0)
+        assert (gate.running["a"], gate.queued["a"]) == (1, 1)
+        with pytest.raises(TooBusy, match="tenant-max-queued=1"):
+            await gate.enter("a", never)
+        (await first).release()
+        assert (gate.running["a"], gate.queued["a"]) == (1, 0)  # handed on, not re-counted
+        (await waiter).release()
+        assert (gate.running["a"], gate.queued["a"]) == (0, 0)
+        left = asyncio.get_running_loop().create_future()
+        held = await gate.enter("a", never)
+        leaving = asyncio.ensure_future(gate.enter("a", left))
+        await asyncio.sleep(0)
+        left.set_result(None)
+        assert await leaving is None and (gate.running["a"], gate.queued["a"]) == (1, 0)
+        held.release()
+        assert (gate.running["a"], gate.queued["a"]) == (0, 0)
+
+    asyncio.run(play())
+
+
 def test_serve_command_refuses_a_bad_keys_file_before_loading_a_model(tmp_path):
     table = tmp_path / "keys.json"
     table.write_text('["not", "an", "object"]')

@@ -14,7 +14,7 @@ until its response ends, however it ends.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from kvlab.serve.limits import ServeLimits
@@ -43,58 +43,65 @@ class Slot:
 
 class TenantGate:
     """`on_change(tenant)` runs whenever that tenant's running or queued count changes
-    (the server's gauges follow it, a waiting request included)."""
+    (the server's gauges follow it, a waiting request included).
+
+    The counts change only in plain (never awaiting) code: a leaving request hands its
+    place to the first waiter there and then, so `running` and `queued` are exact at
+    every await; nothing counts as waiting once it holds a place."""
 
     def __init__(
         self, limits: ServeLimits, on_change: Callable[[str | None], None] = lambda _t: None
     ):
         self.limits, self.on_change = limits, on_change
-        self.running: Counter = Counter()  # tenant -> requests holding a slot
+        self.running: Counter = Counter()  # tenant -> requests holding a place
         self.queued: Counter = Counter()  # tenant -> requests waiting for one
-        self._slots: dict[str | None, asyncio.Semaphore] = {}
+        self._waiting: dict[str | None, deque[asyncio.Future]] = {}  # tenant -> in order
 
     async def enter(self, tenant: str | None, gone: asyncio.Future) -> Slot | None:
         """A slot for one of `tenant`'s requests, once one is free; TooBusy (429) if its
         queue is full; None if the client left (`gone` finished) while it waited."""
         limit = self.limits.tenant_max_running
-        if limit is None:
+        if limit is None or self.running[tenant] < limit:  # a free place: no one waits
             self.running[tenant] += 1
             self.on_change(tenant)
             return Slot(self, tenant)
-        semaphore = self._slots.setdefault(tenant, asyncio.Semaphore(limit))
         most = self.limits.tenant_max_queued
-        if semaphore.locked() and most is not None and self.queued[tenant] >= most:
+        if most is not None and self.queued[tenant] >= most:
             raise TooBusy(
                 f"tenant {tenant!r} has {self.running[tenant]} requests running and "
                 f"{self.queued[tenant]} queued, the most it may (--tenant-max-running="
                 f"{limit}, --tenant-max-queued={most}): retry later",
                 self.limits.retry_after_s,
             )
+        place = asyncio.get_running_loop().create_future()  # done: `_leave` handed one on
+        self._waiting.setdefault(tenant, deque()).append(place)
         self.queued[tenant] += 1
         self.on_change(tenant)
-        acquire = asyncio.ensure_future(semaphore.acquire())
         try:
-            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({place, gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # the handler itself is cancelled (the server stops)
-            acquire.cancel()
-            if acquire.done() and not acquire.cancelled():
-                semaphore.release()
+            self._give_up(tenant, place)
             raise
-        finally:
-            self.queued[tenant] -= 1
-            self.on_change(tenant)
-        if not acquire.done():  # the client left first
-            acquire.cancel()  # the semaphore hands on a wake-up it got meanwhile
+        if gone.done():  # the client left, maybe just as a place came: hand it on
+            self._give_up(tenant, place)
             return None
-        if gone.done():  # both at once: hand the slot straight on
-            semaphore.release()
-            return None
-        self.running[tenant] += 1
-        self.on_change(tenant)
         return Slot(self, tenant)
 
-    def _leave(self, tenant: str | None) -> None:
-        self.running[tenant] -= 1
+    def _give_up(self, tenant: str | None, place: asyncio.Future) -> None:
+        """A waiter leaves: out of the queue, or, if it was just handed a place, on with it."""
+        if place.done():
+            self._leave(tenant)
+            return
+        place.cancel()
+        self._waiting[tenant].remove(place)
+        self.queued[tenant] -= 1
         self.on_change(tenant)
-        if tenant in self._slots:
-            self._slots[tenant].release()
+
+    def _leave(self, tenant: str | None) -> None:
+        waiting = self._waiting.get(tenant)
+        if waiting:  # the place passes to the first waiter: `running` stays as it is
+            waiting.popleft().set_result(None)
+            self.queued[tenant] -= 1
+        else:
+            self.running[tenant] -= 1
+        self.on_change(tenant)
