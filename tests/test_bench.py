@@ -78,7 +78,7 @@ def test_bench_runs_every_system_on_the_same_tokens(bench, tmp_path):
     path = tmp_path / "bench.json"
     bench.save(path)
     loaded = BenchResult.load(path)
-    again = loaded.to_json()  # saved walls are rounded: derived figures may move a digit
+    again = loaded.to_json()  # walls are saved to the µs: derived figures stay put
     assert list(again) == list(result) and again["ratios"] == result["ratios"]
     assert again["median_ratios"] == pytest.approx(result["median_ratios"], abs=0.005)
     for name, row in result["systems"].items():

@@ -209,7 +209,7 @@ class BenchResult:
             name: {
                 "batch_size": s.batch_size,
                 "best_wall_s": s.wall_s,  # unrounded, so a reloaded result is the same
-                "walls_s": [round(w, 3) for w in s.walls_s],
+                "walls_s": [round(w, 6) for w in s.walls_s],  # to the µs: ratios reload
                 "cpus_s": [round(c, 3) for c in s.cpus_s],
             }
             for name, s in self.systems.items()
