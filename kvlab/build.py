@@ -27,6 +27,7 @@ from kvlab.engine.core import EngineCore
 from kvlab.engine.parts import EngineParts, max_model_len_of
 from kvlab.model.attention_chain import build_attention
 from kvlab.model.loading import LoadedModel
+from kvlab.model.pattern import Pattern, attention_pattern
 from kvlab.model.runner import ModelRunner, kv_spec_of
 
 
@@ -59,6 +60,23 @@ def check_config(config: EngineConfig) -> None:
         PROPOSERS[config.speculative.method]  # its error names the field and the choices
 
 
+def pattern_of(hf_config, config: EngineConfig) -> Pattern:
+    """Each layer's sliding window (None: full attention), checked against what a window
+    combines with so far."""
+    pattern = attention_pattern(hf_config, config.attention_pattern)
+    if any(pattern):
+        for name, wanted in (
+            ("tensor_parallel_size", 1), ("retention", "full"), ("batch_invariant", False)
+        ):  # fmt: skip
+            value = getattr(config, name)
+            if value != wanted:
+                raise ValueError(
+                    f"a sliding-window layer (attention_pattern={config.attention_pattern!r},"
+                    f" or the model's own) needs {name}={wanted!r}; got {value!r}"
+                )
+    return pattern
+
+
 def build_parts(
     model: LoadedModel, config: EngineConfig, kv_events: EventSink | None = None
 ) -> EngineParts:
@@ -66,6 +84,7 @@ def build_parts(
     check_config(config)
     max_model_len = max_model_len_of(model.config, config)
     hf = model.hf_model
+    pattern = pattern_of(hf.config, config)
     if config.tensor_parallel_size > 1:
         from kvlab.parallel import start_tensor_parallel
 
@@ -87,7 +106,7 @@ def build_parts(
         retention = cache.retention  # H2O scores what attention reads
         scores = retention.scores if retention and retention.observes_attention else None
         attention = build_attention(config, cache.block_size, scores)
-        runner = ModelRunner(hf, attention, batch_invariant=config.batch_invariant)
+        runner = ModelRunner(hf, attention, config.batch_invariant, pattern)
     parts = EngineParts(runner, cache, max_model_len, parallel=parallel, close=close)
     if config.speculative is not None:
         from kvlab.speculative.speculator import Speculator

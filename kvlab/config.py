@@ -97,6 +97,12 @@ class EngineConfig:
         retention_window: recent tokens every non-full policy keeps.
         retention_sinks: first tokens "sinks" keeps (rounded up to whole blocks).
         retention_heavy: tokens (whole blocks) "h2o" keeps for their attention so far.
+        attention_pattern: which layers attend to a sliding window (kvlab.model.pattern):
+            None (the default) runs the model's own (its config's layer_types and
+            sliding_window; every layer full for Llama), "full" makes every layer full,
+            and e.g. "window=64*5,full" repeats 5 layers of a 64-token window and one
+            full layer over the model (Gemma 3's 5 local : 1 global). A window needs
+            tensor_parallel_size=1, retention="full" and batch_invariant=False.
         kv_codec: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
             "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
             count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
@@ -141,6 +147,7 @@ class EngineConfig:
     retention_window: int = 256
     retention_sinks: int = 4
     retention_heavy: int = 256
+    attention_pattern: str | None = None  # None: the model's own (kvlab.model.pattern)
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.coerce(self.speculative)

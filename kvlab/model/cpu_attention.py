@@ -9,6 +9,7 @@ Every group of meta.groups (kvlab.model.metadata) is one of two kinds:
 * **A prompt** (a whole one, one behind a prefix hit, a later chunk): its Q new rows are
   the last Q of its S context positions and row i sees the first S - Q + i + 1 of them
   (with a retention policy's dropped blocks too: their positions are not in the slots).
+  A sliding window's prompt (kvlab.model.pattern) takes the reference's masked call.
   `kvlab.kernels.cpu_paged_prefill_attention` computes just that: flash attention in
   register tiles over the rows' causal spans, where the reference's
   scaled_dot_product_attention computes every one of the Q x S scores of a masked call.
@@ -49,7 +50,7 @@ def cpu_attention(
             out[group.rows] = cpu_paged_decode_attention(
                 rows, k_cache, v_cache, group.slots, group.lens, scale
             )
-        elif prefill_pays() and prefill_fits(q.shape[-1]):
+        elif meta.window is None and prefill_pays() and prefill_fits(q.shape[-1]):
             # one prompt: (Q, heads, head_dim), written in place
             cpu_paged_prefill_attention(
                 rows, k_cache, v_cache, group.slots[0], scale, out=out[group.rows]

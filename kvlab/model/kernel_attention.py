@@ -66,8 +66,10 @@ class KernelAttention:
         return self._backend
 
     def handles(self, pool: KVPool, meta: AttentionMetadata) -> bool:
-        """A decode step (one query row per sequence) over a codec the kernels read."""
-        return meta.query_valid.shape[1] == 1 and pool.kv_codec in KERNEL_CODECS
+        """A decode step (one query row per sequence) over a codec the kernels read, with
+        whole contexts (a sliding window's decodes take the reference)."""
+        decode = meta.query_valid.shape[1] == 1 and meta.window is None
+        return decode and pool.kv_codec in KERNEL_CODECS
 
     def __call__(
         self, q: torch.Tensor, layer: int, pool: KVPool, meta: AttentionMetadata, scale: float

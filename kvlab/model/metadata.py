@@ -51,6 +51,7 @@ class AttentionMetadata:
     query_valid: torch.Tensor  # (B, Q) True where the row is a real token
     last_token_index: torch.Tensor  # (B,) row in T of each sequence's last new token
     groups: list[AttentionGroup]  # how the reference attention batches them (see below)
+    window: int | None = None  # a sliding window's metadata (kvlab.model.pattern.windowed)
 
     @property
     def num_seqs(self) -> int:

@@ -25,6 +25,7 @@ from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention
 from kvlab.model.linear import Linears
 from kvlab.model.metadata import AttentionMetadata
+from kvlab.model.pattern import Pattern, model_pattern, windowed
 
 AttentionFn = Callable[[torch.Tensor, int, KVPool, AttentionMetadata, float], torch.Tensor]
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf model -> FusedModel
@@ -88,10 +89,12 @@ class ModelRunner:
         hf_model: torch.nn.Module,
         attention_fn: AttentionFn = pooled_attention,
         batch_invariant: bool = False,
+        pattern: Pattern | None = None,
     ):
         """`attention_fn`: kvlab.model.attention_chain builds the one an engine asks for;
         `batch_invariant`: matmuls whose rows sum in an order fixed by the row alone
-        (kvlab.model.invariant)."""
+        (kvlab.model.invariant); `pattern`: each layer's sliding window or None for full
+        attention (kvlab.model.pattern), the model's own if not given."""
         cfg = hf_model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: kvlab's MLP is SwiGLU (silu)")
@@ -102,6 +105,7 @@ class ModelRunner:
         self.scale = self.head_dim**-0.5
         self.kv_spec = kv_spec_of(cfg)
         self.attention_fn = attention_fn
+        self.windows = pattern or model_pattern(cfg)  # (None | W) per layer
 
         base = hf_model.model
         self.embed = base.embed_tokens.weight  # (vocab, hidden)
@@ -191,6 +195,8 @@ class ModelRunner:
         cos, sin = self.rope(meta.positions)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        metas = {window: windowed(meta, window) for window in set(self.windows) - {None}}
+        metas[None] = meta  # full attention: the step's own
         for index, w in enumerate(self.layers):
             x = self.norm(h, w.input_norm, self.eps)
             q, k, v = self.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
@@ -199,7 +205,8 @@ class ModelRunner:
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             pool.write(index, meta.slot_mapping, k, v)
-            attn = self.attention_fn(q, index, pool, meta, self.scale)  # (T, heads, head_dim)
+            layer_meta = metas[self.windows[index]]  # the step's, or its window's
+            attn = self.attention_fn(q, index, pool, layer_meta, self.scale)  # (T, heads, dim)
             h += self.reduce(self.linear(attn.reshape(-1, n_q), w.o))  # h is this step's own
             x = self.norm(h, w.post_norm, self.eps)
             gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
