@@ -141,3 +141,15 @@ def test_the_real_model_with_gemmas_pattern_decodes_as_transformers(model, chat_
     assert len(prompt) > 100
     params = kvlab.SamplingParams(max_new_tokens=16, ignore_eos=True)
     assert engine.generate([prompt], params)[0].token_ids == hf_greedy(reference, prompt, 16)
+
+
+def test_the_reference_sees_a_runner_that_leaves_the_window_out(tiny_qwen, monkeypatch):
+    """These tests can fail: a runner whose window layers read every key decodes other
+    tokens than transformers on the prompt past the window."""
+    import kvlab.model.runner as runner
+
+    monkeypatch.setattr(runner, "windowed", lambda meta, window: meta)
+    engine = kvlab.Engine(tiny_qwen, kvlab.EngineConfig(cache="paged"))
+    params = kvlab.SamplingParams(max_new_tokens=20, ignore_eos=True)
+    out = engine.generate([PROMPTS[0]], params)[0]
+    assert out.token_ids != hf_greedy(tiny_qwen, PROMPTS[0], 20)
