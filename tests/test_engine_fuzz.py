@@ -2,7 +2,8 @@
 cancellations, sessions and bad input, on engine configs that draw every EngineConfig
 field together (speculation with every codec, n > 1, swap and recompute, chunked prefill
 in both orders, prefix caching with kvlab's or vLLM's block hashes, tiers with sessions
-and TTLs, retention policies, the kernels path, tensor parallel, batch-invariant mode),
+and TTLs, retention policies, sliding-window layers, the kernels path, tensor parallel,
+batch-invariant mode),
 must leave the engine consistent. PriorityMachine draws requests of mixed priorities
 (n > 1 among them) in bursts, on small pools with chunked prefill and small step budgets.
 
@@ -16,10 +17,11 @@ After every rule:
 - after `end_session` (or its TTL), nothing of the session is left cached on the device
   or in any tier, forks included, but what other requests share.
 At the end: every request finished, every block free or cached, and each greedy (or
-seeded) sample equal to its solo run on an unpressured naive engine with the same KV codec
-and mode (a cancelled one a prefix of it). Checked for consistency only: kivi2 (its outputs depend
-on where key groups split), seeded samples under speculation (rejection sampling draws
-other random numbers), and retention policies that dropped blocks.
+seeded) sample equal to its solo run on an unpressured naive engine with the same KV codec,
+mode and attention pattern (a cancelled one a prefix of it). Checked for consistency
+only: kivi2 (its outputs depend on where key groups split), seeded samples under
+speculation (rejection sampling draws other random numbers), and retention policies that
+dropped blocks.
 
 The suite runs a fast, derandomized profile. A soak: `KVLAB_FUZZ_EXAMPLES=2000 pytest
 tests/test_engine_fuzz.py -s` (random seeds; hypothesis prints the shrunk failing program,
@@ -75,6 +77,7 @@ def speculative(draw, always: bool = False) -> dict | None:
 
 FOCUS = (None, "swap", "speculation", "tiers", "window", "priority")  # what a draw must include
 ORDERS = ["prefill-first", "decode-first"]
+PATTERNS = ["window=8,full", "full,window=24", "window=4"]  # the tiny model has 2 layers
 
 
 @st.composite
@@ -138,7 +141,16 @@ def engine_configs(draw, focus: str | None = None) -> dict:
     if prefix == "hash" and draw(st.integers(0, 2)) == 0:  # vLLM's block hashes
         config.update(prefix_caching_hash_algo="sha256_cbor",
                       prefix_caching_hash_seed=draw(st.sampled_from([None, "0", "7"])))  # fmt: skip
-    return _tensor_parallel(draw, config)
+    return _pattern(draw, _tensor_parallel(draw, config))
+
+
+def _pattern(draw, config: dict) -> dict:
+    """Now and then sliding-window layers (kvlab.model.pattern), where the config allows
+    them: one rank, full retention, not batch-invariant."""
+    allowed = "retention" not in config and "tensor_parallel_size" not in config
+    if allowed and "batch_invariant" not in config:
+        config["attention_pattern"] = draw(st.sampled_from([None, None, None, *PATTERNS]))
+    return config
 
 
 def _tensor_parallel(draw, config: dict) -> dict:
@@ -203,7 +215,7 @@ class Oracle:
         self.model, self.engines, self.memo = model, {}, {}
 
     def tokens(self, mode: tuple, prompt: list[int], params: SamplingParams, i: int) -> list[int]:
-        """mode: (kv_codec, batch_invariant) of the engine under test."""
+        """mode: (kv_codec, batch_invariant, attention_pattern) of the engine under test."""
         seed = None if params.seed is None else params.seed + i  # sample i of n uses seed + i
         key = (mode, tuple(prompt), params.max_new_tokens, params.temperature, seed,
                params.ignore_eos)  # fmt: skip
@@ -211,7 +223,8 @@ class Oracle:
             if mode not in self.engines:
                 config = kvlab.EngineConfig(max_model_len=MAX_MODEL_LEN,
                                             kv_budget_tokens=MAX_MODEL_LEN, kv_codec=mode[0],
-                                            batch_invariant=mode[1])  # fmt: skip
+                                            batch_invariant=mode[1],
+                                            attention_pattern=mode[2])  # fmt: skip
                 self.engines[mode] = kvlab.Engine(self.model, config)
             solo = SamplingParams(
                 max_new_tokens=params.max_new_tokens,
@@ -271,6 +284,7 @@ class EngineMachine(RuleBasedStateMachine):
                 ("n-gram", c.speculative is not None and c.speculative.method == "ngram"),
                 ("batch-invariant", c.batch_invariant),
                 ("sha256_cbor", c.prefix_caching_hash_algo == "sha256_cbor"),
+                ("pattern", c.attention_pattern is not None),
             )
             if on
         ]
@@ -515,7 +529,7 @@ class EngineMachine(RuleBasedStateMachine):
             if engine.speculator and not params.greedy:
                 continue  # rejection sampling draws other random numbers: same law only
             for i, sample in enumerate(out.samples):
-                mode = (kv_codec, engine.config.batch_invariant)
+                mode = (kv_codec, engine.config.batch_invariant, engine.config.attention_pattern)
                 expected = self.oracle.tokens(mode, prompt, params, i)
                 if sample.finish_reason == "cancelled":
                     assert sample.token_ids == expected[: len(sample.token_ids)], out.request_id
