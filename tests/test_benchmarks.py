@@ -130,6 +130,20 @@ def test_bench_vs_hf_quick(tiny_model_path, tmp_path, capsys):
     assert set(full["meta"]["greedy_match_to_first_eos"].values()) == {1.0}
 
 
+def test_attention_pattern_quick(tiny_model_path):
+    """All-full scores itself; a window longer than the text changes no loss at all; an
+    8-token window on 63 tokens changes them."""
+    result = run_script("attention_pattern", tiny_model_path)
+    rows = {r["pattern"]: r for r in result["patterns"]}
+    assert list(rows) == ["full", "window=8*5,full", "window=512*5,full", "window=8"]
+    assert [r["sliding_layers"] for r in rows.values()] == [0, 2, 2, 2]  # of 2 layers
+    for name in ("full", "window=512*5,full"):
+        assert rows[name]["ppl"] == rows["full"]["ppl"] and rows[name]["top1_agreement"] == 1
+        assert rows[name]["ppl_pct_low"] == rows[name]["ppl_pct_high"] == 0
+    assert rows["window=8"]["ppl"] != rows["full"]["ppl"]
+    assert {r["tokens"] for r in rows.values()} == {result["tokens_scored"]} == {63}
+
+
 def test_speculative_quick(tiny_model_path):
     result = run_script("speculative", tiny_model_path, "--no-vllm")  # tests/test_spec_vllm.py
     assert result["mismatches"] == []
