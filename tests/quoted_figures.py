@@ -15,8 +15,9 @@ it, an HTML comment (invisible on GitHub and on the site) naming the file and th
   {"cells": [{"source", "text", "figures"}, ...]} over its code cells: `text` the printed
   output (streams and text/plain), `figures` the plotly figures it stored.
 - The value: a path into that document, `name` or `.name` for a key made of word
-  characters and dashes, `["any key"]` for any other key, `[3]` (or `.3`, needed right
-  after a `]`: the site's link checker takes `][` for a link) for a list's item,
+  characters and dashes, `["any key"]` for any other key (`.["any key"]` right after a
+  `]`), `[3]` (or `.3`, needed right after a `]`: the site's link checker takes `][`
+  for a link) for a list's item,
   `[field=value, other="quoted value"]` for the one record of a list whose fields have
   those values (as text), `[field~text]` for the one whose field contains the text; a
   last `/regex/` takes its first group (or the whole match) from the string it reached.
@@ -55,7 +56,7 @@ NUMBER = re.compile(r"(?:(?<![\w.)>])[-−])?\d[\d,]*(?:\.\d+)?")
 STEP = re.compile(
     r"""\.(?P<dot>\d+)
       | \.?(?P<name>[A-Za-z_][\w-]*)
-      | \[\s*"(?P<key>(?:[^"\\]|\\.)*)"\s*\]
+      | \.?\[\s*"(?P<key>(?:[^"\\]|\\.)*)"\s*\]
       | \[\s*(?P<index>-?\d+)\s*\]
       | \[(?P<filters>[^\]]*[=~][^\]]*)\]
       | /(?P<regex>(?:[^/\\]|\\.)+)/""",
@@ -125,7 +126,9 @@ def quotes(page: Path, text: str | None = None) -> list[Quote]:
         if "|" in match.group():
             raise QuoteError(f"{_name(page)}:{line}: a '|' in a marker splits a table's cell")
         if "][" in match.group():  # mkdocs-autorefs takes [a][b] for a link, even here
-            raise QuoteError(f"{_name(page)}:{line}: '][' in a marker: write .N for [N]")
+            raise QuoteError(
+                f'{_name(page)}:{line}: \'][\' in a marker: write .N for [N], .["key"] for ["key"]'
+            )
         line_start = text.rfind("\n", 0, match.start()) + 1
         previous = [m.end() for m in MARKER.finditer(text, line_start, match.start())]
         begin = max([line_start, *previous])
