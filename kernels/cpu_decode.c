@@ -45,6 +45,7 @@
 #define CHUNK 256           /* positions per task; a multiple of TILE */
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
 #define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L2) */
+#define RB 4                /* query heads of one kv head scored together */
 
 typedef struct {
     const void *q, *k, *v;
@@ -169,10 +170,42 @@ static ALWAYS_INLINE void tile_rows(const int64_t *slots, int j, int n, int64_t 
     }
 }
 
+/* scores[h][j .. j + TILE) for the nr (<= RB) query heads h0 .. h0 + nr - 1 of one kv
+ * head, whose K records start at rows[t] + head: each K vector is loaded (and widened)
+ * once for all nr heads. */
+static ALWAYS_INLINE void score_heads(const Problem *p, const int64_t *rows, int64_t head,
+                                      int h0, int nr, int j, int n, Scratch *s, int d,
+                                      int dtype) {
+    const int vec_end = d / V * V;
+    vf dots[RB][TILE];
+    for (int t = 0; t < TILE; t++) {
+        vf x[RB];
+        for (int i = 0; i < nr; i++) x[i] = (vf){0};
+        for (int c = 0; c < vec_end; c += V) {
+            const vf kc = load_v(p->k, dtype, rows[t] + head + c);
+            for (int i = 0; i < nr; i++) {
+                x[i] += load_f(s->q + (int64_t)(h0 + i) * d + c) * kc;
+            }
+        }
+        for (int i = 0; i < nr; i++) dots[i][t] = x[i];
+    }
+    for (int i = 0; i < nr; i++) {
+        const float *q = s->q + (int64_t)(h0 + i) * d;
+        vf sums = sum_lanes(dots[i]);
+        for (int c = vec_end; c < d; c++) /* head_dim off the vector width */
+            for (int t = 0; t < TILE; t++) sums[t] += q[c] * load(p->k, dtype, rows[t] + head + c);
+        sums *= p->scale;
+        float *out = s->scores + (int64_t)(h0 + i) * CHUNK + j;
+        if (j + TILE <= n) memcpy(out, &sums, sizeof sums);
+        else
+            for (int t = 0; t < n - j; t++) out[t] = sums[t];
+    }
+}
+
 /* scores[h][j] = scale * q_h . k_j for the n positions j of the task */
 static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int n,
                                      Scratch *s, int d, int dtype) {
-    const int g = p->group, kv_heads = p->kv_heads, vec_end = d / V * V;
+    const int g = p->group, kv_heads = p->kv_heads;
     const int64_t stride = p->k_slot_stride, head_stride = p->k_head_stride;
     const int64_t record = (kv_heads - 1) * head_stride + d;
     for (int j = 0; j < n; j += TILE) {
@@ -180,28 +213,14 @@ static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int
         tile_rows(slots, j, n, stride, p->k, p->dtype_kv, record, rows);
         for (int kvh = 0; kvh < kv_heads; kvh++) {
             const int64_t head = kvh * head_stride;
-            for (int r = 0; r < g; r++) {
+            for (int r = 0; r < g; r += RB) {
                 const int h = kvh * g + r;
-                const float *q = s->q + (int64_t)h * d;
-                vf dots[TILE];
-                for (int t = 0; t < TILE; t++) {
-                    vf x = {0};
-                    for (int c = 0; c < vec_end; c += V) {
-                        vf qc;
-                        memcpy(&qc, q + c, sizeof qc);
-                        x += qc * load_v(p->k, dtype, rows[t] + head + c);
-                    }
-                    dots[t] = x;
+                switch (g - r) { /* a constant count keeps the heads' sums in registers */
+                case 1: score_heads(p, rows, head, h, 1, j, n, s, d, dtype); break;
+                case 2: score_heads(p, rows, head, h, 2, j, n, s, d, dtype); break;
+                case 3: score_heads(p, rows, head, h, 3, j, n, s, d, dtype); break;
+                default: score_heads(p, rows, head, h, RB, j, n, s, d, dtype); break;
                 }
-                vf sums = sum_lanes(dots);
-                for (int c = vec_end; c < d; c++) /* head_dim off the vector width */
-                    for (int t = 0; t < TILE; t++)
-                        sums[t] += q[c] * load(p->k, dtype, rows[t] + head + c);
-                sums *= p->scale;
-                float *out = s->scores + (int64_t)h * CHUNK + j;
-                if (j + TILE <= n) memcpy(out, &sums, sizeof sums);
-                else
-                    for (int t = 0; t < n - j; t++) out[t] = sums[t];
             }
         }
     }
@@ -220,10 +239,9 @@ static ALWAYS_INLINE void accumulate(const Problem *p, Scratch *s, const int64_t
                 const int h = kvh * g + r;
                 const float *w = s->scores + (int64_t)h * CHUNK + j;
                 float *acc = s->acc + (int64_t)h * d + c;
-                vf a;
-                memcpy(&a, acc, sizeof a);
+                vf a = load_f(acc);
                 for (int t = 0; t < m; t++) a += w[t] * vt[t];
-                memcpy(acc, &a, sizeof a);
+                store_f(acc, a);
             }
         }
         for (int c = vec_end; c < d; c++) /* head_dim off the vector width */

@@ -108,15 +108,15 @@ static ALWAYS_INLINE void score_tile(const void *k, int stride, const float *qt,
     for (int c = 0; c < d; c++) {
         vf q[RV];
         for (int t = 0; t < nv; t++)
-            memcpy(&q[t], qt + c * stride + (v0 + t) * V, sizeof(vf));
+            q[t] = load_f(qt + c * stride + (v0 + t) * V);
         for (int m = 0; m < MP; m++) {
             const float x = load(k, dtype, at[m] + c);
             for (int t = 0; t < nv; t++) acc[m][t] += x * q[t];
         }
     }
-    for (int m = 0; m < count; m++)
-        for (int t = 0; t < nv; t++)
-            memcpy(s + m * stride + (v0 + t) * V, &acc[m][t], sizeof(vf));
+    for (int m = 0; m < MP; m++) /* all MP, so acc stays in registers */
+        if (m < count)
+            for (int t = 0; t < nv; t++) store_f(s + m * stride + (v0 + t) * V, acc[m][t]);
 }
 
 /* acc[r0 + r][c ..] += sum_{j < n} w[j][r0 + r] v_j[c ..] for MR rows, W vectors wide */
@@ -125,7 +125,7 @@ static ALWAYS_INLINE void value_tile(const void *v_cache, int stride, const floa
                                      int c, int n, int W) {
     vf a[MR][VW];
     for (int r = 0; r < MR; r++)
-        for (int t = 0; t < W; t++) memcpy(&a[r][t], acc + (r0 + r) * d + c + t * V, sizeof(vf));
+        for (int t = 0; t < W; t++) a[r][t] = load_f(acc + (r0 + r) * d + c + t * V);
     for (int j = 0; j < n; j++) {
         vf v[VW];
         for (int t = 0; t < W; t++) v[t] = load_v(v_cache, dtype, at[j] + c + t * V);
@@ -135,7 +135,7 @@ static ALWAYS_INLINE void value_tile(const void *v_cache, int stride, const floa
         }
     }
     for (int r = 0; r < MR; r++)
-        for (int t = 0; t < W; t++) memcpy(acc + (r0 + r) * d + c + t * V, &a[r][t], sizeof(vf));
+        for (int t = 0; t < W; t++) store_f(acc + (r0 + r) * d + c + t * V, a[r][t]);
 }
 
 /* The chunk's scores at positions c0 .. c0 + n - 1 become weights, row vector by row
@@ -149,8 +149,7 @@ static ALWAYS_INLINE void softmax_chunk(Tiles *w, int vectors, int c0,
         memcpy(&end, w->end + t * V, sizeof end);
         top = old_max;
         for (int j = 0; j < n; j++) {
-            vf x;
-            memcpy(&x, w->s + j * w->stride + t * V, sizeof x);
+            vf x = load_f(w->s + j * w->stride + t * V);
             if (masked) {
                 const vi seen = (vi){0} + (c0 + j) < end;
                 x = (vf)(((vi)x & seen) | ((vi)old_max & ~seen)); /* never above the max */
@@ -162,12 +161,11 @@ static ALWAYS_INLINE void softmax_chunk(Tiles *w, int vectors, int c0,
         const vi had = (vi)(old_max > -INFINITY);
         const vf factor = (vf)((vi)fast_exp_v(old_max - base) & had);
         for (int j = 0; j < n; j++) {
-            vf x;
-            memcpy(&x, w->s + j * w->stride + t * V, sizeof x);
+            vf x = load_f(w->s + j * w->stride + t * V);
             vi keep = ~empty;
             if (masked) keep &= (vi){0} + (c0 + j) < end;
             x = (vf)((vi)fast_exp_v(x - base) & keep);
-            memcpy(w->s + j * w->stride + t * V, &x, sizeof x);
+            store_f(w->s + j * w->stride + t * V, x);
             total += x;
         }
         vf sum;
