@@ -6,12 +6,12 @@
     cpu_kernels_have(dtype)            whether this build computes in dtype
     native_function(name, argtypes)    an entry point of the library, its ctypes signature set
 
-SOURCES (the thread pool, the decode and the prompt kernels; cpu_common.h is what they
-share) compile on first use with the system's C compiler (`$CC`, else cc/gcc/clang) into
-`$XDG_CACHE_HOME/kvlab/kernels/` (default ~/.cache), named by a hash of the sources, flags,
-compiler version and CPU, compiled to a temporary file and renamed into place, so
-concurrent processes are safe. Without a compiler the kernels are unavailable, and
-kvlab.kernels.dispatch takes the torch reference instead.
+SOURCES (the thread pool, the decode and the prompt kernels, bf16 prompts on AMX tiles;
+cpu_common.h is what they share) compile on first use with the system's C compiler (`$CC`,
+else cc/gcc/clang) into `$XDG_CACHE_HOME/kvlab/kernels/` (default ~/.cache), named by a
+hash of the sources, flags, compiler version and CPU, compiled to a temporary file and
+renamed into place, so concurrent processes are safe. Without a compiler the kernels are
+unavailable, and kvlab.kernels.dispatch takes the torch reference instead.
 
 Threads: where torch runs on OpenMP (Linux), the library is handed the GOMP_parallel of
 the runtime torch loaded, and each kernel call runs on torch's own OpenMP threads, which
@@ -37,7 +37,8 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = tuple(
-    HERE / name for name in ("cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_invariant.c")
+    HERE / name
+    for name in ("cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_amx.c", "cpu_invariant.c")
 )
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_tiles.h")
 FLAG_SETS = (  # tried in order: -march=native is fastest but not every compiler has it

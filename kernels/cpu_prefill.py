@@ -42,6 +42,7 @@ ERRORS = {  # kvlab_paged_prefill's return codes
     1: "invalid arguments",
     2: "slots must cover q's rows: S >= Q >= 1",
     3: "every slot must be in [0, num_slots)",
+    5: "this CPU, OS or build has no AMX-BF16 tiles",
 }
 SIGNATURE = (
     [ctypes.c_void_p] * 4  # q, k, v, out
@@ -61,7 +62,15 @@ BATCH_SIGNATURE = (
     + [ctypes.c_int] * 3  # heads, kv_heads, head_dim
     + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
 )
+AMX_SIGNATURE = (
+    [ctypes.c_void_p] * 4  # q, k, v, out
+    + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # slots, Q, S
+    + [ctypes.c_int64] * 5  # num_slots, k and v slot/head strides
+    + [ctypes.c_int] * 3  # heads, kv_heads, head_dim
+    + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
+)
 VECTOR = 16  # head_dim must be a multiple of it
+AMX_DIMS = range(32, 257, 32)  # the head sizes the AMX kernel takes
 
 
 def prefill_fits(head_dim: int) -> bool:
@@ -89,6 +98,24 @@ def prefill_pays() -> bool:
         return False
 
 
+@functools.cache
+def amx_ready() -> bool:
+    """Whether bf16 prompts can run on AMX tiles here (kernels/cpu_amx.c): the CPU has
+    AMX-BF16 and AVX512-BF16, the compiler knew the instructions, and Linux granted this
+    process the tile registers. Asked of the CPU, never assumed from the build."""
+    try:
+        return bool(native_function("kvlab_amx_ready", [])())
+    except RuntimeError:  # the library is unavailable
+        return False
+
+
+def on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether cpu_paged_prefill_attention takes the AMX kernel for these tensors by
+    default: bf16 queries and cache, a head size in AMX_DIMS, and amx_ready()."""
+    bf16 = q.dtype == k_cache.dtype == torch.bfloat16
+    return bf16 and q.shape[-1] in AMX_DIMS and amx_ready()
+
+
 def cpu_paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -96,11 +123,15 @@ def cpu_paged_prefill_attention(
     slots: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    amx: bool | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of a sequence's Q newest rows over its S slots; see above.
 
     out: where to write the result, a contiguous (Q, heads, head_dim) tensor of q's dtype
     (a slice of the step's output rows saves a copy); None allocates one.
+    amx: True runs the bf16 AMX kernel (kernels/cpu_amx.c: bf16 products summed in fp32,
+    weights rounded to bf16 as the tile unit takes them), False the fp32 register tiles,
+    None the AMX kernel where `on_amx` says so.
     """
     check_q_and_caches(q, k_cache, v_cache, scale, "Q", slots=slots)
     rows, heads, head_dim = q.shape
@@ -110,6 +141,12 @@ def cpu_paged_prefill_attention(
         )
     if not prefill_fits(head_dim):
         raise ValueError(f"head_dim must be a multiple of {VECTOR}; got {head_dim}")
+    amx = on_amx(q, k_cache) if amx is None else amx
+    if amx and not (q.dtype == k_cache.dtype == torch.bfloat16 and head_dim in AMX_DIMS):
+        raise ValueError(
+            f"the AMX kernel takes bf16 q and caches with head_dim in 32, 64, .., 256; "
+            f"got {q.dtype}, {k_cache.dtype}, head_dim {head_dim}"
+        )
     kernel = native_function("kvlab_paged_prefill", SIGNATURE, q.dtype, k_cache.dtype)
     q = q.detach().contiguous()
     k_cache, v_cache = rows_contiguous(k_cache), rows_contiguous(v_cache)
@@ -118,13 +155,15 @@ def cpu_paged_prefill_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+    types = () if amx else (DTYPES[q.dtype], DTYPES[k_cache.dtype])
+    if amx:
+        kernel = native_function("kvlab_paged_prefill_amx", AMX_SIGNATURE)
     status = kernel(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         out.data_ptr(),
-        DTYPES[q.dtype],
-        DTYPES[k_cache.dtype],
+        *types,
         slots.data_ptr(),
         rows,
         slots.shape[0],

@@ -1,0 +1,324 @@
+/* Prompt attention in bf16 on AMX tiles (Intel Sapphire Rapids and later): the rows of one
+ * sequence after P cached positions, K/V bf16 in the paged pool, as kvlab_paged_prefill
+ * computes them (cpu_prefill.c), but each score and weighted value a bf16 x bf16 product
+ * summed in fp32 by the tile unit (tdpbf16ps: a 16 x 32 by 32 x 16 matmul per instruction)
+ * instead of fp32 FMAs on values widened from bf16.
+ *
+ * A call runs in two phases, each over the library's threads (cpu_pool.c):
+ *   pack    the sequence's K and V, 32 positions of one kv head per task, into the layouts
+ *           the tile unit multiplies by ("VNNI": pairs of bf16 side by side in 32 bits):
+ *             Kp tile (t, dk)  row kk, pair p  = K[16 t + p][32 dk + 2 kk .. + 1]   (K^T)
+ *             Vp tile (u, ct)  row pp, pair c  = V[32 u + 2 pp .. + 1][16 ct + c]
+ *           each tile 16 rows of 64 bytes; positions past S are zeros.
+ *   attend  one task per kv head and block of AMX_QB query positions: its rows (position x
+ *           the g query heads of the kv head, padded to a multiple of 32) run flash
+ *           attention over chunks of AMX_KC positions up to the block's causal end:
+ *             scores  S = Q K^T in 2 x 2 tiles of 16 rows x 16 positions (tmm0-3),
+ *                     Q rows (tmm4-5) against Kp tiles (tmm6-7), d / 32 steps;
+ *             softmax per row in fp32: scale, mask past the row's end, running max and
+ *                     sum, weights rounded to bf16 (the sum adds the rounded weights);
+ *             values  acc += W V in 2 x 2 tiles of 16 rows x 16 dims, weights (tmm4-5)
+ *                     against Vp tiles (tmm6-7), AMX_KC / 32 steps;
+ *           then out = acc / sum, rounded to bf16 (nearest even).
+ * Tasks depend only on the shapes, so the result is the same bits for any thread count.
+ *
+ * Compiled wherever the compiler knows the instructions (GCC 11, clang 12), whatever
+ * -march says; kvlab_amx_ready() runs them only where the CPU has AMX-BF16 and
+ * AVX512-BF16 and Linux grants the process the tile registers (arch_prctl). head_dim a
+ * multiple of 32, at most 256.
+ */
+
+#include <math.h>
+
+#include "cpu_tiles.h"
+
+#if defined(__x86_64__) && defined(__linux__) &&                                            \
+    ((defined(__clang__) && __clang_major__ >= 12) ||                                       \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define KVLAB_AMX_BUILT 1
+#else
+#define KVLAB_AMX_BUILT 0
+#endif
+
+#define KVLAB_ENOAMX 5 /* this CPU, kernel or build has no AMX-BF16 */
+
+#if KVLAB_AMX_BUILT
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define AMX_QB 32          /* query positions per task */
+#define AMX_KC 128     /* positions per chunk: a multiple of 32 */
+#define TILE 512       /* bf16 elements in a 16 x 64-byte tile */
+#define AMX_MAX_DIM 256
+#define MIN_PARALLEL (1 << 16) /* (query row, position) pairs */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    const int64_t *slots;
+    int rows_q, positions, heads, kv_heads, head_dim, group;
+    int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
+    float scale;
+    uint16_t *kp, *vp; /* packed K^T and V tiles, (kv_heads, ...) */
+    int blocks32;      /* positions / 32, rounded up */
+    int tasks, next_task;
+} Amx;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* The first K^T tile of (kv head h, 16 positions t, dims 32 dk ..) and of V's
+ * (h, 32 positions u, dims 16 ct ..). */
+static inline uint16_t *k_tile(const Amx *a, int h, int t, int dk) {
+    return a->kp + (((int64_t)h * a->blocks32 * 2 + t) * (a->head_dim / 32) + dk) * TILE;
+}
+static inline uint16_t *v_tile(const Amx *a, int h, int u, int ct) {
+    return a->vp + (((int64_t)h * a->blocks32 + u) * (a->head_dim / 16) + ct) * TILE;
+}
+
+/* ---- pack: 32 positions of one kv head --------------------------------------------- */
+
+static const uint16_t ZEROS[2];
+
+static int pack_tasks(void *arg) {
+    Amx *a = arg;
+    const int d = a->head_dim;
+    for (;;) {
+        const int task = __atomic_fetch_add(&a->next_task, 1, __ATOMIC_RELAXED);
+        if (task >= a->tasks) return KVLAB_OK;
+        const int h = task % a->kv_heads, u = task / a->kv_heads;
+        for (int p = 0; p < 32; p++) {
+            const int pos = u * 32 + p;
+            const uint16_t *kr = NULL, *vr = NULL; /* the position's K and V records */
+            if (pos < a->positions) {
+                kr = a->k + a->slots[pos] * a->k_slot_stride + h * a->k_head_stride;
+                vr = a->v + a->slots[pos] * a->v_slot_stride + h * a->v_head_stride;
+            }
+            for (int dk = 0; dk < d / 32; dk++) { /* K^T: row kk holds pair kk of each p */
+                uint16_t *tile = k_tile(a, h, pos / 16, dk) + (pos % 16) * 2;
+                for (int kk = 0; kk < 16; kk++)
+                    memcpy(tile + kk * 32, kr ? kr + dk * 32 + kk * 2 : ZEROS, 4);
+            }
+            for (int ct = 0; ct < d / 16; ct++) { /* V: position p's half of row p / 2 */
+                uint16_t *tile = v_tile(a, h, u, ct) + (p / 2) * 32 + p % 2;
+                for (int c = 0; c < 16; c++) tile[c * 2] = vr ? vr[ct * 16 + c] : 0;
+            }
+        }
+    }
+}
+
+/* ---- attend: one kv head, query positions i0 .. i0 + AMX_QB - 1 ------------------------- */
+
+typedef struct { /* one thread's scratch for up to AMX_QB * g rows, rounded up to 32 */
+    uint16_t *qp;  /* (rows, d) bf16: the rows' queries */
+    float *s;      /* (rows, AMX_KC) scores */
+    uint16_t *w;   /* (rows, AMX_KC) bf16 weights */
+    float *acc;    /* (rows, d) */
+    float *max, *sum;
+    int32_t *end;  /* (rows,): positions < end[r] are row r's context; 0 for padding */
+} Scratch;
+
+/* Rows r0 .. r0 + 31 by columns c0 .. c0 + 31 of C (fp32, ldc floats per row) +=
+ * A (bf16 rows, lda elements per row) x B tiles (b0 for columns c0.., b1 for c0 + 16..;
+ * `steps` of them, b_step elements apart), A's 32 columns per step. */
+AMX static void tiles_2x2(float *c, int ldc, int load_c, const uint16_t *a, int lda,
+                          int a_step, const uint16_t *b0, const uint16_t *b1, int64_t b_step,
+                          int steps) {
+    if (load_c) {
+        _tile_loadd(0, c, ldc * 4);
+        _tile_loadd(1, c + 16, ldc * 4);
+        _tile_loadd(2, c + 16 * ldc, ldc * 4);
+        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int i = 0; i < steps; i++) {
+        _tile_loadd(4, a + i * a_step, lda * 2);
+        _tile_loadd(5, a + i * a_step + 16 * lda, lda * 2);
+        _tile_loadd(6, b0 + i * b_step, 64);
+        _tile_loadd(7, b1 + i * b_step, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+/* Row r's scores at positions c0 .. c0 + n - 1 (n a multiple of 32) become bf16 weights,
+ * 0 past its end; its max, sum and accumulator move to the chunk's max. */
+AMX static void softmax_row(Scratch *x, const Amx *a, int r, int c0, int n) {
+    const float *s = x->s + (int64_t)r * AMX_KC;
+    uint16_t *w = x->w + (int64_t)r * AMX_KC;
+    const int d = a->head_dim, seen = x->end[r] - c0;
+    vi lane;
+    for (int i = 0; i < V; i++) lane[i] = i;
+    vf top = (vf){0} + x->max[r], total = {0};
+    for (int j = 0; j < n && j < seen; j += V) {
+        const vf v = load_f(s + j);
+        const vi keep = lane + j < seen;
+        top = vmax((vf)(((vi)(v * a->scale) & keep) | ((vi)top & ~keep)), top);
+    }
+    float m = top[0];
+    for (int i = 1; i < V; i++) m = top[i] > m ? top[i] : m;
+    for (int j = 0; j < n; j += V) {
+        const vf v = load_f(s + j);
+        const vi keep = lane + j < seen;
+        vu32 u = (vu32)((vi)fast_exp_v(v * a->scale - m) & keep);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u; /* to bf16, nearest even */
+        total += (vf)u;                                      /* the rounded weights */
+        const vu16 h = __builtin_convertvector(u >> 16, vu16);
+        memcpy(w + j, &h, sizeof h);
+    }
+    if (seen <= 0) return;
+    const float factor = x->max[r] == -INFINITY ? 0.0f : fast_exp(x->max[r] - m);
+    float sum = 0.0f;
+    for (int i = 0; i < V; i++) sum += total[i];
+    x->sum[r] = x->sum[r] * factor + sum;
+    x->max[r] = m;
+    if (factor != 1.0f)
+        for (int c = 0; c < d; c++) x->acc[(int64_t)r * d + c] *= factor;
+}
+
+AMX static void attend(Amx *a, int task, Scratch *x) {
+    const int d = a->head_dim, g = a->group, blocks = (a->rows_q + AMX_QB - 1) / AMX_QB;
+    const int h = task % a->kv_heads, block = blocks - 1 - task / a->kv_heads;
+    const int i0 = block * AMX_QB, P = a->positions - a->rows_q;
+    const int qn = a->rows_q - i0 < AMX_QB ? a->rows_q - i0 : AMX_QB;
+    const int rows = qn * g, padded = (rows + 31) / 32 * 32, end = P + i0 + qn;
+    for (int r = 0; r < padded; r++) {
+        const uint16_t *q = a->q + ((int64_t)(i0 + r / g) * a->heads + h * g + r % g) * d;
+        if (r < rows) memcpy(x->qp + (int64_t)r * d, q, sizeof(uint16_t) * d);
+        else memset(x->qp + (int64_t)r * d, 0, sizeof(uint16_t) * d);
+        x->end[r] = r < rows ? P + i0 + r / g + 1 : 0;
+        x->max[r] = -INFINITY;
+        x->sum[r] = 0.0f;
+    }
+    memset(x->acc, 0, sizeof(float) * (size_t)padded * (size_t)d);
+    for (int c0 = 0; c0 < end; c0 += AMX_KC) {
+        const int n = ((end - c0 < AMX_KC ? end - c0 : AMX_KC) + 31) / 32 * 32;
+        for (int r0 = 0; r0 < padded; r0 += 32)
+            for (int j = 0; j < n; j += 32)
+                tiles_2x2(x->s + (int64_t)r0 * AMX_KC + j, AMX_KC, 0, x->qp + (int64_t)r0 * d, d, 32,
+                          k_tile(a, h, (c0 + j) / 16, 0), k_tile(a, h, (c0 + j) / 16 + 1, 0),
+                          TILE, d / 32);
+        for (int r = 0; r < padded; r++) softmax_row(x, a, r, c0, n);
+        for (int r0 = 0; r0 < padded; r0 += 32)
+            for (int c = 0; c < d; c += 32)
+                tiles_2x2(x->acc + (int64_t)r0 * d + c, d, 1, x->w + (int64_t)r0 * AMX_KC, AMX_KC, 32,
+                          v_tile(a, h, c0 / 32, c / 16), v_tile(a, h, c0 / 32, c / 16 + 1),
+                          (int64_t)(d / 16) * TILE, n / 32);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = ((int64_t)(i0 + r / g) * a->heads + h * g + r % g) * d;
+        store(a->out, DT_BF16, at, x->acc + (int64_t)r * d, 1.0f / x->sum[r], d);
+    }
+}
+
+AMX static int attend_tasks(void *arg) {
+    Amx *a = arg;
+    const size_t rows = (size_t)(AMX_QB * a->group + 31) / 32 * 32, d = (size_t)a->head_dim;
+    char *buf = malloc(rows * (d * 2 + AMX_KC * 4 + AMX_KC * 2 + d * 4 + 12));
+    if (!buf) return KVLAB_ENOMEM;
+    Scratch x = {.qp = (uint16_t *)buf};
+    x.s = (float *)(buf + rows * d * 2);
+    x.acc = x.s + rows * AMX_KC;
+    x.max = x.acc + rows * d;
+    x.sum = x.max + rows;
+    x.end = (int32_t *)(x.sum + rows);
+    x.w = (uint16_t *)(x.end + rows);
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    for (;;) {
+        const int task = __atomic_fetch_add(&a->next_task, 1, __ATOMIC_RELAXED);
+        if (task >= a->tasks) break;
+        attend(a, task, &x);
+    }
+    _tile_release();
+    free(buf);
+    return KVLAB_OK;
+}
+
+/* 1 when the CPU has AMX-BF16 and AVX512-BF16 and Linux lets this process use the tile
+ * registers (asked once; the answer is kept). */
+int kvlab_amx_ready(void) {
+    static int ready = -1;
+    if (ready >= 0) return ready;
+    unsigned eax, ebx, ecx, edx;
+    ready = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1); /* AMX-BF16, AMX-TILE */
+        if (amx && (ebx >> 16 & 1))                          /* AVX512F */
+            ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return ready;
+}
+
+#else
+
+int kvlab_amx_ready(void) { return 0; }
+
+#endif
+
+/* q, out: (Q, heads, head_dim) bf16 contiguous, rows at positions S - Q .. S - 1; k, v:
+ * (num_slots, kv_heads, head_dim) bf16 with the given element strides, last dim
+ * contiguous; slots: (S,) contiguous. Returns 0, or a KVLAB_E* code (KVLAB_ENOAMX where
+ * kvlab_amx_ready() is 0). */
+int kvlab_paged_prefill_amx(const void *q, const void *k, const void *v, void *out,
+                            const int64_t *slots, int Q, int S, int64_t num_slots,
+                            int64_t k_slot_stride, int64_t k_head_stride,
+                            int64_t v_slot_stride, int64_t v_head_stride, int heads,
+                            int kv_heads, int head_dim, float scale, int num_threads) {
+#if KVLAB_AMX_BUILT
+    if (!kvlab_amx_ready()) return KVLAB_ENOAMX;
+    if (heads < 1 || heads > MAX_HEADS || kv_heads < 1 || heads % kv_heads) return KVLAB_EARG;
+    if (head_dim < 32 || head_dim > AMX_MAX_DIM || head_dim % 32) return KVLAB_EARG;
+    if (!q || !k || !v || !out || !slots || k_slot_stride < 0 || k_head_stride < 0 ||
+        v_slot_stride < 0 || v_head_stride < 0)
+        return KVLAB_EARG;
+    if (Q < 1 || S < Q || S > INT32_MAX - AMX_KC) return KVLAB_ELEN;
+    for (int j = 0; j < S; j++)
+        if (slots[j] < 0 || slots[j] >= num_slots) return KVLAB_ESLOT;
+    Amx a = {.q = q, .k = k, .v = v, .out = out, .slots = slots, .rows_q = Q, .positions = S,
+             .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim,
+             .group = heads / kv_heads, .k_slot_stride = k_slot_stride,
+             .k_head_stride = k_head_stride, .v_slot_stride = v_slot_stride,
+             .v_head_stride = v_head_stride, .scale = scale, .blocks32 = (S + 31) / 32};
+    const size_t per_head = (size_t)a.blocks32 * 32 * (size_t)head_dim; /* per K or V */
+    a.kp = malloc(sizeof(uint16_t) * per_head * (size_t)kv_heads * 2);
+    if (!a.kp) return KVLAB_ENOMEM;
+    a.vp = a.kp + per_head * (size_t)kv_heads;
+    const int64_t pairs = (int64_t)Q * S * kv_heads; /* below MIN_PARALLEL, run inline */
+    const int threads = num_threads < 1 || pairs < MIN_PARALLEL ? 1 : num_threads;
+    a.tasks = a.blocks32 * kv_heads;
+    int status = kvlab_run_parallel(threads < a.tasks ? threads : a.tasks, pack_tasks, &a);
+    if (status == KVLAB_OK) {
+        a.tasks = (Q + AMX_QB - 1) / AMX_QB * kv_heads;
+        a.next_task = 0;
+        status = kvlab_run_parallel(threads < a.tasks ? threads : a.tasks, attend_tasks, &a);
+    }
+    free(a.kp);
+    return status;
+#else
+    (void)q, (void)k, (void)v, (void)out, (void)slots, (void)Q, (void)S, (void)num_slots;
+    (void)k_slot_stride, (void)k_head_stride, (void)v_slot_stride, (void)v_head_stride;
+    (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads;
+    return KVLAB_ENOAMX;
+#endif
+}
