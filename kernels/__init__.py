@@ -14,6 +14,8 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
     cpu_prefill.py       prompt attention on the CPU: native C (cpu_prefill.c), ctypes; a
                          batch of sequences in one call (batch-invariant mode's attention);
                          bf16 prompts on AMX tiles where the CPU has them (cpu_amx.c)
+    cpu_fused.py         a bf16 layer's norms with their residual adds, RoPE and SwiGLU on
+                         the CPU, one native call each (cpu_fused.c)
     cpu_invariant.py     batch-invariant dot products and e^x on the CPU: native C
                          (cpu_invariant.c), each output's order fixed by its own inputs
     cpu_build.py         compiles and loads the native CPU kernels (and cpu_pool.c, their

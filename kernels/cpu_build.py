@@ -6,7 +6,8 @@
     cpu_kernels_have(dtype)            whether this build computes in dtype
     native_function(name, argtypes)    an entry point of the library, its ctypes signature set
 
-SOURCES (the thread pool, the decode and the prompt kernels, bf16 prompts on AMX tiles;
+SOURCES (the thread pool, the decode and the prompt kernels, bf16 prompts on AMX tiles, a
+layer's fused bf16 elementwise ops;
 cpu_common.h is what they share) compile on first use with the system's C compiler (`$CC`,
 else cc/gcc/clang) into `$XDG_CACHE_HOME/kvlab/kernels/` (default ~/.cache), named by a
 hash of the sources, flags, compiler version and CPU, compiled to a temporary file and
@@ -38,8 +39,11 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = tuple(
     HERE / name
-    for name in ("cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_amx.c", "cpu_invariant.c")
-)
+    for name in (
+        "cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_amx.c", "cpu_fused.c",
+        "cpu_invariant.c",
+    )
+)  # fmt: skip
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_tiles.h")
 FLAG_SETS = (  # tried in order: -march=native is fastest but not every compiler has it
     ("-O3", "-march=native", "-shared", "-fPIC", "-pthread"),

@@ -106,7 +106,8 @@ def build_parts(
         retention = cache.retention  # H2O scores what attention reads
         scores = retention.scores if retention and retention.observes_attention else None
         attention = build_attention(config, cache.block_size, scores)
-        runner = ModelRunner(hf, attention, config.batch_invariant, pattern)
+        fused_ops = config.attention == "kernels"  # bf16 on the CPU: kvlab.kernels.cpu_fused
+        runner = ModelRunner(hf, attention, config.batch_invariant, pattern, fused_ops)
     parts = EngineParts(runner, cache, max_model_len, parallel=parallel, close=close)
     if config.speculative is not None:
         from kvlab.speculative.speculator import Speculator

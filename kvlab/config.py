@@ -80,9 +80,10 @@ class EngineConfig:
             lowest priority, then the most recently admitted.
         batching: "continuous" (a waiting request joins as soon as memory frees) or
             "static" (a new batch starts only when the whole previous batch is done).
-        attention: "torch" (the plain-torch reference path) or "kernels" (decode steps
-            through the Triton paged-attention kernel of kvlab.kernels on CUDA, its torch
-            reference elsewhere).
+        attention: "torch" (the plain-torch reference path) or "kernels" (attention through
+            kvlab.kernels: Triton's paged decode kernel on CUDA, the native C kernels on the
+            CPU; a bf16 model on the CPU also runs its norms, residual adds, RoPE and SwiGLU
+            through kvlab.kernels.cpu_fused).
         batch_invariant: every request's logits, bit for bit, whatever shares its steps
             (batch size, chunking, prefix-cache hits, thread count), at some speed
             (kvlab.model.invariant); CPU only, tensor_parallel_size=1, retention="full".

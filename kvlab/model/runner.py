@@ -72,9 +72,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, the reference's RoPE bit for bit, in fewer passes
-    (no negated or concatenated copy of x): x (T, heads, head_dim), cos and sin broadcast
-    to it. rotate_half(x) is (-x2, x1) for x's halves (x1, x2)."""
+    (no negated or concatenated copy of x): x (T, heads, head_dim), cos and sin
+    (T, head_dim). rotate_half(x) is (-x2, x1) for x's halves (x1, x2)."""
     half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     out = x * cos
     out[..., :half] -= x[..., half:] * sin[..., :half]
     out[..., half:] += x[..., :half] * sin[..., half:]
@@ -90,11 +91,15 @@ class ModelRunner:
         attention_fn: AttentionFn = pooled_attention,
         batch_invariant: bool = False,
         pattern: Pattern | None = None,
+        fused_ops: bool = False,
     ):
         """`attention_fn`: kvlab.model.attention_chain builds the one an engine asks for;
         `batch_invariant`: matmuls whose rows sum in an order fixed by the row alone
         (kvlab.model.invariant); `pattern`: each layer's sliding window or None for full
-        attention (kvlab.model.pattern), the model's own if not given."""
+        attention (kvlab.model.pattern), the model's own if not given; `fused_ops`: a bf16
+        model's norms, residual adds, RoPE and SwiGLU through the native CPU kernels
+        (kvlab.kernels.cpu_fused) where they run, one call each instead of torch's chains
+        (fp32 keeps torch's ops, and with them HF's bits)."""
         cfg = hf_model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: kvlab's MLP is SwiGLU (silu)")
@@ -119,7 +124,12 @@ class ModelRunner:
             fused = _FUSED[hf_model] = FusedModel([self._layer_weights(x) for x in base.layers])
         self.layers, self.linear = self._weights(fused)
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.norm, self.silu_mul = rms_norm, silu_mul
+        self.norm, self.silu_mul, self.apply_rope = rms_norm, silu_mul, apply_rope
+        self.fused_ops = fused_ops and not batch_invariant and self._fused_runs(cfg)
+        if self.fused_ops:
+            from kvlab.kernels import cpu_fused
+
+            self.silu_mul, self.apply_rope = cpu_fused.cpu_silu_mul, cpu_fused.cpu_rope
         if batch_invariant:  # every reduction in kvlab's fixed order (kvlab.model.invariant)
             from kvlab.model import invariant
 
@@ -127,6 +137,28 @@ class ModelRunner:
             self.linear = invariant.InvariantLinears()
             self.norm, self.silu_mul = invariant.invariant_rms_norm, invariant.invariant_silu_mul
             self.rope = invariant.InvariantRope(self.inv_freq, self.rope_scale, self.dtype)
+
+    def _fused_runs(self, cfg) -> bool:
+        """Whether the fused elementwise kernels take this model: bf16 on the CPU, the
+        native kernels built, and sizes that fit their vectors."""
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return False
+        from kvlab.kernels import cpu_kernels_available
+        from kvlab.kernels.cpu_fused import fused_fits
+
+        sizes = cfg.hidden_size, cfg.intermediate_size, self.head_dim
+        return cpu_kernels_available() and fused_fits(*sizes)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """h += delta (the residual stream takes a sublayer's output, when there is one),
+        then h's RMS norm: (T, hidden) -> (T, hidden). One native call when fused."""
+        if self.fused_ops:
+            from kvlab.kernels.cpu_fused import cpu_add_rms_norm
+
+            return cpu_add_rms_norm(h, delta, weight, self.eps)
+        if delta is not None:
+            h += delta
+        return self.norm(h, weight, self.eps)
 
     def _weights(self, fused: FusedModel) -> tuple[list[LayerWeights], Linears]:
         """The layers this runner computes and their matmuls: the whole model's, the
@@ -191,26 +223,27 @@ class ModelRunner:
         `all_logits` (teacher-forced scoring), or (len(logits_at), vocab) at the rows of T
         `logits_at` names (speculative verification).
         """
-        h = self.embed[input_ids]  # (T, hidden)
-        cos, sin = self.rope(meta.positions)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        h = self.embed[input_ids]  # (T, hidden): the residual stream, this step's own
+        cos, sin = self.rope(meta.positions)  # (T, head_dim) each
         n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         metas = {window: windowed(meta, window) for window in set(self.windows) - {None}}
         metas[None] = meta  # full attention: the step's own
+        mlp = None  # the previous layer's MLP output, which the next norm adds to h
         for index, w in enumerate(self.layers):
-            x = self.norm(h, w.input_norm, self.eps)
+            x = self.add_norm(h, mlp, w.input_norm)
             q, k, v = self.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
             pool.write(index, meta.slot_mapping, k, v)
             layer_meta = metas[self.windows[index]]  # the step's, or its window's
             attn = self.attention_fn(q, index, pool, layer_meta, self.scale)  # (T, heads, dim)
-            h += self.reduce(self.linear(attn.reshape(-1, n_q), w.o))  # h is this step's own
-            x = self.norm(h, w.post_norm, self.eps)
+            attn = self.reduce(self.linear(attn.reshape(-1, n_q), w.o))  # (T, hidden)
+            x = self.add_norm(h, attn, w.post_norm)
             gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
-            h += self.reduce(self.linear(self.silu_mul(gate, up), w.down))
+            mlp = self.reduce(self.linear(self.silu_mul(gate, up), w.down))
+        h += mlp
         if logits_at is not None:
             h = h[logits_at]  # (R, hidden)
         elif not all_logits:

@@ -1,0 +1,181 @@
+/* The elementwise parts of a decoder layer in bf16, each one pass over its rows: where
+ * torch runs five to seven ops (and as many passes over memory, each a Python call), the
+ * runner makes one call (kernels/cpu_fused.py).
+ *
+ *   add + RMS norm  h += delta (when given); out = weight * bf16(h * rsqrt(mean(h^2) + eps))
+ *   SwiGLU          out = bf16(silu(gate)) * up
+ *   RoPE            (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each head's halves
+ *
+ * Each step is rounded to bf16 (nearest even) where torch's bf16 ops round: the residual
+ * add, the normalised row, each RoPE product and sum, silu(gate), the products. Products
+ * and sums of two bf16 values are exact in fp32, so the add and RoPE give torch's bits;
+ * the norm's sum of squares (V lanes, then their sum) may differ from torch's by one bf16
+ * step in a few elements, and silu(gate) (the kernels' e^x polynomial, and with AVX-512 a
+ * reciprocal estimate refined once instead of a division) by one, two after the product.
+ *
+ * Rows are split in tasks of ROWS_PER_TASK over the library's threads (cpu_pool.c) when a
+ * call has MIN_PARALLEL elements or more; each row's result depends on that row alone.
+ * Row lengths must be multiples of V (RoPE: half a head). Returns 0, or a KVLAB_E* code.
+ */
+
+#include <math.h>
+
+#include "cpu_tiles.h"
+
+#define ROWS_PER_TASK 16
+#define FUSED_MIN_PARALLEL (1 << 15) /* elements */
+
+enum { OP_ADD_NORM = 0, OP_SILU_MUL = 1, OP_ROPE = 2 };
+
+typedef struct {
+    int op, cols, head_dim;
+    int64_t rows;
+    uint16_t *x;          /* add + norm: h (updated); RoPE: x; SwiGLU: gate */
+    const uint16_t *y;    /* add + norm: delta or NULL; SwiGLU: up; RoPE: cos */
+    const uint16_t *z;    /* add + norm: weight; RoPE: sin */
+    uint16_t *out;
+    int64_t x_stride, y_stride, out_stride; /* row strides, elements (RoPE: sin's = cos's) */
+    float eps;
+    int tasks, next_task;
+} Rows;
+
+#if defined(__AVX512F__) && V == 16
+#include <immintrin.h>
+#endif
+
+/* x rounded to bf16 (nearest even; NaN stays NaN), as fp32 bits */
+static ALWAYS_INLINE vu32 bf16_bits(vf x) {
+#if defined(__AVX512BF16__) && V == 16 /* one instruction: vcvtneps2bf16 */
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    return (vu32)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#endif
+    const vu32 u = (vu32)x; /* elsewhere: the rounding in integer lanes */
+    const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (vu32)(((vi)rounded & ~nan) | ((vi)(u | 0x400000u) & nan));
+}
+
+static ALWAYS_INLINE vf round_bf16(vf x) { return (vf)bf16_bits(x); }
+
+static ALWAYS_INLINE vf get(const uint16_t *p) { return load_v(p, DT_BF16, 0); }
+
+static ALWAYS_INLINE void put(uint16_t *p, vf x) {
+#if defined(__AVX512BF16__) && V == 16
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)x));
+#else
+    *(vu16_mem *)p = __builtin_convertvector(bf16_bits(x) >> 16, vu16);
+#endif
+}
+
+/* 1 / x to within 2 ulp: a reciprocal estimate and one Newton step where AVX-512 has one
+ * (a division takes ten times as long), else a division */
+static ALWAYS_INLINE vf reciprocal(vf x) {
+#if defined(__AVX512F__) && V == 16
+    const vf r = (vf)_mm512_rcp14_ps((__m512)x);
+    return r * (2.0f - x * r);
+#else
+    return 1.0f / x;
+#endif
+}
+
+static ALWAYS_INLINE void add_norm_row(const Rows *a, int64_t r) {
+    uint16_t *h = a->x + r * a->x_stride, *out = a->out + r * a->out_stride;
+    const uint16_t *delta = a->y ? a->y + r * a->y_stride : NULL;
+    vf squares = {0};
+    for (int c = 0; c < a->cols; c += V) {
+        vf x = get(h + c);
+        if (delta) {
+            x = round_bf16(x + get(delta + c));
+            put(h + c, x);
+        }
+        squares += x * x;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < V; i++) sum += squares[i];
+    const float inv = 1.0f / sqrtf(sum / (float)a->cols + a->eps);
+    for (int c = 0; c < a->cols; c += V)
+        put(out + c, get(a->z + c) * round_bf16(get(h + c) * inv));
+}
+
+static ALWAYS_INLINE void silu_mul_row(const Rows *a, int64_t r) {
+    const uint16_t *gate = a->x + r * a->x_stride, *up = a->y + r * a->y_stride;
+    uint16_t *out = a->out + r * a->out_stride;
+    for (int c = 0; c < a->cols; c += V) {
+        const vf g = get(gate + c);
+        const vf silu = round_bf16(g * reciprocal(1.0f + fast_exp_v(-g)));
+        put(out + c, silu * get(up + c));
+    }
+}
+
+static ALWAYS_INLINE void rope_row(const Rows *a, int64_t r) {
+    const uint16_t *x = a->x + r * a->x_stride;
+    uint16_t *out = a->out + r * a->out_stride;
+    const uint16_t *cos = a->y + r * a->y_stride, *sin = a->z + r * a->y_stride;
+    const int half = a->head_dim / 2;
+    for (int head = 0; head < a->cols; head += a->head_dim)
+        for (int c = 0; c < half; c += V) {
+            const vf x1 = get(x + head + c), x2 = get(x + head + half + c);
+            const vf cos1 = get(cos + c), cos2 = get(cos + half + c);
+            const vf sin1 = get(sin + c), sin2 = get(sin + half + c);
+            put(out + head + c, round_bf16(x1 * cos1) - round_bf16(x2 * sin1));
+            put(out + head + half + c, round_bf16(x2 * cos2) + round_bf16(x1 * sin2));
+        }
+}
+
+static int take_rows(void *arg) {
+    Rows *a = arg;
+    for (;;) {
+        const int task = __atomic_fetch_add(&a->next_task, 1, __ATOMIC_RELAXED);
+        if (task >= a->tasks) return KVLAB_OK;
+        const int64_t first = (int64_t)task * ROWS_PER_TASK;
+        const int64_t last = first + ROWS_PER_TASK < a->rows ? first + ROWS_PER_TASK : a->rows;
+        for (int64_t r = first; r < last; r++) {
+            if (a->op == OP_ADD_NORM) add_norm_row(a, r);
+            else if (a->op == OP_SILU_MUL) silu_mul_row(a, r);
+            else rope_row(a, r);
+        }
+    }
+}
+
+static int run_rows(Rows *a, int num_threads) {
+    if (a->rows < 0 || a->cols < V || a->cols % V || !a->x || !a->out) return KVLAB_EARG;
+    if (a->rows == 0) return KVLAB_OK;
+    const int64_t tasks = (a->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    if (tasks > INT32_MAX) return KVLAB_EARG;
+    a->tasks = (int)tasks;
+    a->next_task = 0;
+    int threads = a->rows * a->cols < FUSED_MIN_PARALLEL || num_threads < 1 ? 1 : num_threads;
+    threads = threads < a->tasks ? threads : a->tasks;
+    return threads == 1 ? take_rows(a) : kvlab_run_parallel(threads, take_rows, a);
+}
+
+/* h, delta, out: (rows, hidden) with row strides; weight (hidden,); delta may be NULL. */
+int kvlab_add_rms_norm(void *h, int64_t h_stride, const void *delta, int64_t delta_stride,
+                       const void *weight, void *out, int64_t out_stride, int64_t rows,
+                       int hidden, float eps, int num_threads) {
+    Rows a = {.op = OP_ADD_NORM, .cols = hidden, .rows = rows, .x = h, .y = delta,
+              .z = weight, .out = out, .x_stride = h_stride, .y_stride = delta_stride,
+              .out_stride = out_stride, .eps = eps};
+    return weight ? run_rows(&a, num_threads) : KVLAB_EARG;
+}
+
+/* gate, up, out: (rows, inter) with row strides. */
+int kvlab_silu_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride,
+                   void *out, int64_t out_stride, int64_t rows, int inter, int num_threads) {
+    Rows a = {.op = OP_SILU_MUL, .cols = inter, .rows = rows, .x = (uint16_t *)gate, .y = up,
+              .out = out, .x_stride = gate_stride, .y_stride = up_stride,
+              .out_stride = out_stride};
+    return up ? run_rows(&a, num_threads) : KVLAB_EARG;
+}
+
+/* x, out: (rows, heads * head_dim) with row strides (out may be x); cos, sin:
+ * (rows, head_dim) with row stride cs_stride. */
+int kvlab_rope(const void *x, int64_t x_stride, const void *cos, const void *sin,
+               int64_t cs_stride, void *out, int64_t out_stride, int64_t rows, int heads,
+               int head_dim, int num_threads) {
+    Rows a = {.op = OP_ROPE, .cols = heads * head_dim, .head_dim = head_dim, .rows = rows,
+              .x = (uint16_t *)x, .y = cos, .z = sin, .out = out, .x_stride = x_stride,
+              .y_stride = cs_stride, .out_stride = out_stride};
+    if (!cos || !sin || heads < 1 || head_dim < 2 * V || head_dim % (2 * V)) return KVLAB_EARG;
+    return run_rows(&a, num_threads);
+}
