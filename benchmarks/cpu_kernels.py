@@ -4,13 +4,16 @@
     python benchmarks/cpu_kernels.py --quick   # small shapes, seconds
 
 Prints JSON (kvlab.checks.cpu_kernels):
-  prompt   for each (cached P, new Q) of a doc-QA-like step: one layer's prompt attention
-           through the C prompt kernel and through the torch reference (causal
-           scaled_dot_product_attention, or its masked call after a prefix), ms and
-           GFLOP/s, alternated, best of 5, and the largest difference between them;
-  decode   one decode kernel call (32 sequences of 1,115 tokens) alone and right after a
-           matmul, on torch's OpenMP threads (this process) and on the library's own
-           pthreads (a child process with KVLAB_CPU_THREADS=own).
+  prompt       for each (cached P, new Q) of a doc-QA-like step: one layer's prompt
+               attention in fp32 through the C prompt kernel and through the torch
+               reference (causal scaled_dot_product_attention, or its masked call after a
+               prefix), ms and GFLOP/s, alternated, best of 5, and the largest difference;
+  prompt_bf16  the same in bf16: the AMX kernel where the CPU has AMX-BF16 ("kernel":
+               "amx"), else the register tiles on widened values ("tiles");
+  decode       one decode kernel call (32 sequences of 1,115 tokens) alone and right after
+               a matmul, on torch's OpenMP threads (this process) and on the library's own
+               pthreads (a child process with KVLAB_CPU_THREADS=own), fp32;
+  decode_bf16  the first of those in bf16.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ def main(argv: list[str] | None = None) -> dict:
         [sys.executable, "-c", CHILD, json.dumps(decode_args)],
         env=env, capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
+    cases, rounds = (QUICK_CASES, 2) if args.quick else (CASES, 5)
     result = {
         "machine": f"{os.uname().machine}, {torch.get_num_threads()} torch threads",
-        "prompt": cpu_kernels.prompt_rows(
-            QUICK_CASES if args.quick else CASES, rounds=2 if args.quick else 5, **shape
-        ),
+        "prompt": cpu_kernels.prompt_rows(cases, rounds=rounds, **shape),
+        "prompt_bf16": cpu_kernels.prompt_rows(cases, rounds=rounds, dtype=torch.bfloat16, **shape),
         "decode": [cpu_kernels.decode_after_matmul(**decode_args), json.loads(child.stdout)],
+        "decode_bf16": cpu_kernels.decode_after_matmul(**decode_args, dtype="bfloat16"),
     }
     return report(result, args.out)
 

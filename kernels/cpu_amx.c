@@ -16,21 +16,22 @@
  *             scores  S = Q K^T in 2 x 2 tiles of 16 rows x 16 positions (tmm0-3),
  *                     Q rows (tmm4-5) against Kp tiles (tmm6-7), d / 32 steps;
  *             softmax per row in fp32: scale, mask past the row's end, running max and
- *                     sum, weights rounded to bf16 (the sum adds the rounded weights);
+ *                     sum, e^x to about 1e-6 (exp_weight), weights rounded to bf16 by
+ *                     vcvtneps2bf16 (the sum adds the rounded weights);
  *             values  acc += W V in 2 x 2 tiles of 16 rows x 16 dims, weights (tmm4-5)
  *                     against Vp tiles (tmm6-7), AMX_KC / 32 steps;
  *           then out = acc / sum, rounded to bf16 (nearest even).
  * Tasks depend only on the shapes, so the result is the same bits for any thread count.
  *
  * Compiled wherever the compiler knows the instructions (GCC 11, clang 12), whatever
- * -march says; kvlab_amx_ready() runs them only where the CPU has AMX-BF16 and
- * AVX512-BF16 and Linux grants the process the tile registers (arch_prctl). head_dim a
- * multiple of 32, at most 256.
+ * -march says; kvlab_amx_ready() runs them only where the CPU has AMX-BF16, AVX-512 (F,
+ * BW) and AVX512-BF16 and Linux grants the process the tile registers (arch_prctl).
+ * head_dim a multiple of 32, at most 256.
  */
 
 #include <math.h>
 
-#include "cpu_tiles.h"
+#include "cpu_common.h"
 
 #if defined(__x86_64__) && defined(__linux__) &&                                            \
     ((defined(__clang__) && __clang_major__ >= 12) ||                                       \
@@ -49,7 +50,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 #define AMX_QB 32          /* query positions per task */
 #define AMX_KC 128     /* positions per chunk: a multiple of 32 */
 #define TILE 512       /* bf16 elements in a 16 x 64-byte tile */
@@ -160,39 +161,57 @@ AMX static void tiles_2x2(float *c, int ldc, int load_c, const uint16_t *a, int 
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-/* Row r's scores at positions c0 .. c0 + n - 1 (n a multiple of 32) become bf16 weights,
- * 0 past its end; its max, sum and accumulator move to the chunk's max. */
+/* e^x for x <= 0 (a score minus its row's max) to about 1e-6 relative, enough for a
+ * weight rounded to bf16 (2^-9): e^x = 2^n 2^f with n = round(x log2 e), |f| <= 1/2, a
+ * degree-5 Taylor polynomial for 2^f and vscalefps for 2^n. */
+AMX static inline __m512 exp_weight(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)),
+                                   _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f); /* ln2^k / k!, k = 5 .. 0 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Row r's scores at positions c0 .. c0 + n - 1 (n a multiple of 32) become bf16 weights
+ * (vcvtneps2bf16: nearest even), 0 past the row's end; its max, sum (of the rounded
+ * weights) and accumulator move to the chunk's max. */
 AMX static void softmax_row(Scratch *x, const Amx *a, int r, int c0, int n) {
     const float *s = x->s + (int64_t)r * AMX_KC;
     uint16_t *w = x->w + (int64_t)r * AMX_KC;
     const int d = a->head_dim, seen = x->end[r] - c0;
-    vi lane;
-    for (int i = 0; i < V; i++) lane[i] = i;
-    vf top = (vf){0} + x->max[r], total = {0};
-    for (int j = 0; j < n && j < seen; j += V) {
-        const vf v = load_f(s + j);
-        const vi keep = lane + j < seen;
-        top = vmax((vf)(((vi)(v * a->scale) & keep) | ((vi)top & ~keep)), top);
+    const int live = seen <= 0 ? 0 : seen < n ? (seen + 15) / 16 * 16 : n;
+    memset(w + live, 0, sizeof(uint16_t) * (size_t)(n - live)); /* past the row's end */
+    if (live == 0) return;
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    __m512 top = _mm512_set1_ps(x->max[r]);
+    for (int j = 0; j < live; j += 16) {
+        const __mmask16 keep = seen - j >= 16 ? 0xffff : (__mmask16)((1u << (seen - j)) - 1);
+        top = _mm512_mask_max_ps(top, keep, top, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale));
     }
-    float m = top[0];
-    for (int i = 1; i < V; i++) m = top[i] > m ? top[i] : m;
-    for (int j = 0; j < n; j += V) {
-        const vf v = load_f(s + j);
-        const vi keep = lane + j < seen;
-        vu32 u = (vu32)((vi)fast_exp_v(v * a->scale - m) & keep);
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u; /* to bf16, nearest even */
-        total += (vf)u;                                      /* the rounded weights */
-        const vu16 h = __builtin_convertvector(u >> 16, vu16);
-        memcpy(w + j, &h, sizeof h);
+    const float m = _mm512_reduce_max_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int j = 0; j < live; j += 16) {
+        const __mmask16 keep = seen - j >= 16 ? 0xffff : (__mmask16)((1u << (seen - j)) - 1);
+        const __m512 z = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), scale, _mm512_set1_ps(m));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, exp_weight(z)));
+        _mm256_storeu_si256((__m256i *)(w + j), h);
+        total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(h), 16))); /* as rounded */
     }
-    if (seen <= 0) return;
     const float factor = x->max[r] == -INFINITY ? 0.0f : fast_exp(x->max[r] - m);
-    float sum = 0.0f;
-    for (int i = 0; i < V; i++) sum += total[i];
-    x->sum[r] = x->sum[r] * factor + sum;
+    x->sum[r] = x->sum[r] * factor + _mm512_reduce_add_ps(total);
     x->max[r] = m;
     if (factor != 1.0f)
-        for (int c = 0; c < d; c++) x->acc[(int64_t)r * d + c] *= factor;
+        for (int c = 0; c < d; c += 16) {
+            float *acc = x->acc + (int64_t)r * d + c;
+            _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(factor)));
+        }
 }
 
 AMX static void attend(Amx *a, int task, Scratch *x) {
@@ -214,13 +233,15 @@ AMX static void attend(Amx *a, int task, Scratch *x) {
         const int n = ((end - c0 < AMX_KC ? end - c0 : AMX_KC) + 31) / 32 * 32;
         for (int r0 = 0; r0 < padded; r0 += 32)
             for (int j = 0; j < n; j += 32)
-                tiles_2x2(x->s + (int64_t)r0 * AMX_KC + j, AMX_KC, 0, x->qp + (int64_t)r0 * d, d, 32,
+                tiles_2x2(x->s + (int64_t)r0 * AMX_KC + j, AMX_KC, 0,
+                          x->qp + (int64_t)r0 * d, d, 32,
                           k_tile(a, h, (c0 + j) / 16, 0), k_tile(a, h, (c0 + j) / 16 + 1, 0),
                           TILE, d / 32);
         for (int r = 0; r < padded; r++) softmax_row(x, a, r, c0, n);
         for (int r0 = 0; r0 < padded; r0 += 32)
             for (int c = 0; c < d; c += 32)
-                tiles_2x2(x->acc + (int64_t)r0 * d + c, d, 1, x->w + (int64_t)r0 * AMX_KC, AMX_KC, 32,
+                tiles_2x2(x->acc + (int64_t)r0 * d + c, d, 1,
+                          x->w + (int64_t)r0 * AMX_KC, AMX_KC, 32,
                           v_tile(a, h, c0 / 32, c / 16), v_tile(a, h, c0 / 32, c / 16 + 1),
                           (int64_t)(d / 16) * TILE, n / 32);
     }
@@ -255,16 +276,18 @@ AMX static int attend_tasks(void *arg) {
     return KVLAB_OK;
 }
 
-/* 1 when the CPU has AMX-BF16 and AVX512-BF16 and Linux lets this process use the tile
+/* 1 when the CPU has AMX-BF16, AVX-512 and AVX512-BF16 and Linux lets this process use the tile
  * registers (asked once; the answer is kept). */
 int kvlab_amx_ready(void) {
     static int ready = -1;
     if (ready >= 0) return ready;
-    unsigned eax, ebx, ecx, edx;
+    unsigned eax, ebx, ecx, edx, eax1, ebx1, ecx1, edx1;
     ready = 0;
-    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
-        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1); /* AMX-BF16, AMX-TILE */
-        if (amx && (ebx >> 16 & 1))                          /* AVX512F */
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) &&
+        __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1)) {
+        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1);    /* AMX-BF16, AMX-TILE */
+        const int avx512 = (ebx >> 16 & 1) && (ebx >> 30 & 1); /* F, BW */
+        if (amx && avx512 && (eax1 >> 5 & 1))                   /* AVX512-BF16 */
             ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return ready;

@@ -101,8 +101,9 @@ def prefill_pays() -> bool:
 @functools.cache
 def amx_ready() -> bool:
     """Whether bf16 prompts can run on AMX tiles here (kernels/cpu_amx.c): the CPU has
-    AMX-BF16 and AVX512-BF16, the compiler knew the instructions, and Linux granted this
-    process the tile registers. Asked of the CPU, never assumed from the build."""
+    AMX-BF16, AVX-512 and AVX512-BF16, the compiler knew the instructions, and Linux
+    granted this process the tile registers. Asked of the CPU, never assumed from the
+    build."""
     try:
         return bool(native_function("kvlab_amx_ready", [])())
     except RuntimeError:  # the library is unavailable

@@ -160,15 +160,21 @@ def test_speculative_quick(tiny_model_path):
 
 
 def test_cpu_kernels_quick():
-    """Both prompt shapes through the C kernel and torch, equal to 1e-5; the decode call on
-    torch's OpenMP threads here (Linux) and on the library's pthreads in the child."""
+    """Both prompt shapes through the C kernel and torch, equal to 1e-5 (bf16: to its
+    rounding, through the AMX kernel where the CPU has it); the decode call on torch's
+    OpenMP threads here (Linux) and on the library's pthreads in the child."""
     from kvlab.kernels import cpu_kernels_available
+    from kvlab.kernels.cpu_prefill import amx_ready
 
     if not cpu_kernels_available():
         pytest.skip("the native CPU kernels did not build (no C compiler?)")
     result = load_script("cpu_kernels").main(["--quick", "--threads", "2"])
     assert [(r["cached"], r["new"]) for r in result["prompt"]] == [(0, 40), (60, 8)]
     assert all(r["max_abs_diff"] < 1e-5 and r["kernel_ms"] > 0 for r in result["prompt"])
+    bf16 = result["prompt_bf16"]
+    assert all(r["max_abs_diff"] < 5e-2 and r["dtype"] == "bfloat16" for r in bf16)
+    assert {r["kernel"] for r in bf16} == {"amx" if amx_ready() else "tiles"}
+    assert result["decode_bf16"]["dtype"] == "bfloat16"
     here, child = result["decode"]
     assert child["threads"] == "own" and here["threads"] in ("openmp", "own")
     assert all(d["decode_alone_ms"] > 0 for d in (here, child))

@@ -20,7 +20,7 @@ from kvlab.kernels import cpu_build, cpu_kernels_available, cpu_paged_prefill_at
 from kvlab.kernels.cpu_prefill import amx_ready, on_amx
 from test_cpu_prefill import paged_case, reference
 
-AMX_FLAGS = {"amx_bf16", "amx_tile", "avx512f"}  # /proc/cpuinfo's names
+AMX_FLAGS = {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512_bf16"}  # /proc/cpuinfo
 needs_amx = pytest.mark.skipif(
     not (cpu_kernels_available() and amx_ready()), reason="needs a CPU with AMX-BF16"
 )

@@ -45,35 +45,45 @@ def mean_ms(fn, calls: int) -> float:
     return 1e3 * (time.perf_counter() - start) / calls
 
 
-def _pool(tokens: int, kv_heads: int, head_dim: int, seed: int) -> KVPool:
-    """A one-layer fp32 pool of `tokens` slots filled with Gaussian K/V."""
+def _pool(tokens: int, kv_heads: int, head_dim: int, seed: int, dtype=torch.float32) -> KVPool:
+    """A one-layer pool of `tokens` slots filled with Gaussian K/V."""
     g = torch.Generator().manual_seed(seed)
-    pool = KVPool(KVSpec(1, kv_heads, head_dim), tokens, torch.float32, torch.device("cpu"))
+    pool = KVPool(KVSpec(1, kv_heads, head_dim), tokens, dtype, torch.device("cpu"))
     every = torch.arange(pool.num_slots)
     k, v = (torch.randn(pool.num_slots, kv_heads, head_dim, generator=g) for _ in range(2))
-    pool.write(0, every, k, v)
+    pool.write(0, every, k.to(dtype), v.to(dtype))
     return pool
 
 
 def prompt_rows(
-    cases: list[tuple[int, int]], heads=9, kv_heads=3, head_dim=64, rounds=5
+    cases: list[tuple[int, int]],
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    rounds=5,
+    dtype=torch.float32,
 ) -> list[dict]:
     """For each (cached P, new Q): ms and GFLOP/s of one layer's prompt attention through
-    the C prompt kernel (kvlab.model.cpu_attention) and through the torch reference
-    (pooled_attention: scaled_dot_product_attention, causal, or masked after a prefix),
-    and the largest difference between them."""
+    the C prompt kernel (kvlab.model.cpu_attention: "amx" for bf16 where the CPU has it,
+    else the fp32 register "tiles") and through the torch reference (pooled_attention:
+    scaled_dot_product_attention, causal, or masked after a prefix), and the largest
+    difference between them."""
+    from kvlab.kernels.cpu_prefill import AMX_DIMS, amx_ready
+
+    amx = dtype == torch.bfloat16 and head_dim in AMX_DIMS and amx_ready()
     rows = []
     for seed, (cached, new) in enumerate(cases):
         total = cached + new
         blocks = -(-total // BLOCK)
-        pool = _pool((blocks + 4) * BLOCK, kv_heads, head_dim, seed)
+        pool = _pool((blocks + 4) * BLOCK, kv_heads, head_dim, seed, dtype)
         table = torch.randperm(blocks + 4)[:blocks].tolist()
         meta = build_attention_metadata([cached], [new], [table], BLOCK, "cpu")
         q = torch.randn(new, heads, head_dim, generator=torch.Generator().manual_seed(seed))
+        q = q.to(dtype)
         scale = head_dim**-0.5
         kernel = partial(cpu_attention, q, 0, pool, meta, scale)
         reference = partial(pooled_attention, q, 0, pool, meta, scale)
-        diff = (kernel() - reference()).abs().max().item()
+        diff = (kernel().float() - reference().float()).abs().max().item()
         times = {"kernel": [], "torch": []}
         for _ in range(rounds):  # alternated, so both see the same machine
             times["kernel"].append(best_ms(kernel, 1))
@@ -84,6 +94,8 @@ def prompt_rows(
             {
                 "cached": cached,
                 "new": new,
+                "dtype": str(dtype).removeprefix("torch."),
+                "kernel": "amx" if amx else "tiles",
                 "kernel_ms": round(kernel_ms, 3),
                 "torch_ms": round(torch_ms, 3),
                 "kernel_gflop_s": round(flops / kernel_ms / 1e6, 1),
@@ -96,25 +108,33 @@ def prompt_rows(
 
 
 def decode_after_matmul(
-    batch=32, context=1115, heads=9, kv_heads=3, head_dim=64, hidden=576, rounds=30
+    batch=32,
+    context=1115,
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    hidden=576,
+    rounds=30,
+    dtype="float32",
 ) -> dict:
     """One decode kernel call over `batch` sequences of `context` tokens: ms alone, and ms
     right after a (batch, hidden) x (hidden, 3 hidden) matmul (the matmul's own time
     taken off), as the runner calls it; means of `rounds` calls, the best of 3 repeats;
-    and whose threads ran it."""
+    and whose threads ran it. `dtype`: the name of q's, K/V's and the matmul's dtype."""
     from kvlab.kernels import cpu_paged_decode_attention
     from kvlab.kernels.cpu_build import cpu_kernels_threads
 
-    g = torch.Generator().manual_seed(0)
+    g, dt = torch.Generator().manual_seed(0), getattr(torch, dtype)
     blocks = -(-context // BLOCK)
     num_slots = (batch * blocks + 8) * BLOCK
-    k, v = (torch.randn(num_slots, kv_heads, head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dt) for _ in range(2))
     tables = torch.randperm(num_slots // BLOCK, generator=g)[: batch * blocks].view(batch, -1)
     pos = torch.arange(context)
     slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK  # (B, S)
     lens = torch.full((batch,), context)
-    q = torch.randn(batch, heads, head_dim, generator=g)
-    x, w = torch.randn(batch, hidden, generator=g), torch.randn(hidden, 3 * hidden, generator=g)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dt)
+    x = torch.randn(batch, hidden, generator=g).to(dt)
+    w = torch.randn(hidden, 3 * hidden, generator=g).to(dt)
     decode = partial(cpu_paged_decode_attention, q, k, v, slots, lens, head_dim**-0.5)
     matmul = partial(torch.matmul, x, w)
 
@@ -127,6 +147,7 @@ def decode_after_matmul(
         alone.append(mean_ms(decode, rounds))
         after.append(mean_ms(both, rounds) - mean_ms(matmul, rounds))
     return {
+        "dtype": dtype,
         "threads": cpu_kernels_threads(),
         "torch_threads": torch.get_num_threads(),
         "decode_alone_ms": round(min(alone), 3),
