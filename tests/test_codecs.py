@@ -50,10 +50,11 @@ def symmetric_bound(x, qmax, group):
 
 
 def asymmetric_bound(x, dim):
-    """s / 2 for 4 levels over min..max along dim (zero rounded down to bf16 first)."""
+    """s / 2 for 4 levels over min..max along dim (zero rounded down to bf16 first: by up
+    to one bf16 step, 2^-7 of |min|)."""
     x = x.double()
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    s = (hi - lo + lo.abs() * 2**-8) / 3 * ROUNDING
+    s = (hi - lo + lo.abs() * 2**-7) / 3 * ROUNDING
     return (s / 2 + 1e-6 * torch.maximum(lo.abs(), hi.abs())).expand_as(x)
 
 
