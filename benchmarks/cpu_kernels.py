@@ -9,7 +9,8 @@ Prints JSON (kvlab.checks.cpu_kernels):
                reference (causal scaled_dot_product_attention, or its masked call after a
                prefix), ms and GFLOP/s, alternated, best of 5, and the largest difference;
   prompt_bf16  the same in bf16: the AMX kernel where the CPU has AMX-BF16 ("kernel":
-               "amx"), else the register tiles on widened values ("tiles");
+               "amx"), else the register tiles on widened values ("tiles"); and the
+               tiles' time either way (tiles_ms);
   decode       one decode kernel call (32 sequences of 1,115 tokens) alone and right after
                a matmul, on torch's OpenMP threads (this process) and on the library's own
                pthreads (a child process with KVLAB_CPU_THREADS=own), fp32;

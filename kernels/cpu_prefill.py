@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .cpu_build import DTYPES, native_function, raise_for, rows_contiguous
+from .cpu_build import DTYPES, cpu_flags, native_function, raise_for, rows_contiguous
 from .cpu_decode import check_q_and_caches
 
 ERRORS = {  # kvlab_paged_prefill's return codes
@@ -115,6 +115,24 @@ def on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     default: bf16 queries and cache, a head size in AMX_DIMS, and amx_ready()."""
     bf16 = q.dtype == k_cache.dtype == torch.bfloat16
     return bf16 and q.shape[-1] in AMX_DIMS and amx_ready()
+
+
+def prompt_pays(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a prompt's attention runs faster through kvlab's kernel than through torch's
+    (kvlab.model.cpu_attention asks), decided from what the CPU and the build can do:
+    bf16 where the AMX kernel runs (`on_amx`): the kernel; bf16 elsewhere on a CPU with bf16
+    instructions (AVX512-BF16 or AMX-BF16, which oneDNN's bf16 matmuls under torch's
+    attention use): torch, since the register tiles widen bf16 to fp32 (on the Xeon with AMX
+    they ran 1.4 to 2.6 times slower than torch's attention on four of five prompt shapes,
+    level on the fifth: benchmarks/results/cpu_kernels.avx512.json, tiles_ms); otherwise
+    the tiles where they fit the build (`prefill_pays`) and the head size (`prefill_fits`).
+    """
+    if on_amx(q, k_cache):
+        return True
+    bf16 = q.dtype == k_cache.dtype == torch.bfloat16
+    if bf16 and cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        return False
+    return prefill_pays() and prefill_fits(q.shape[-1])
 
 
 def cpu_paged_prefill_attention(

@@ -11,16 +11,12 @@ tests run everywhere.
 
 from __future__ import annotations
 
-import ctypes
-import os
-
 import pytest
 import torch
 from kvlab.kernels import cpu_build, cpu_kernels_available, cpu_paged_prefill_attention
 from kvlab.kernels.cpu_prefill import amx_ready, on_amx
 from test_cpu_prefill import paged_case, reference
 
-AMX_FLAGS = {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512_bf16"}  # /proc/cpuinfo
 needs_amx = pytest.mark.skipif(
     not (cpu_kernels_available() and amx_ready()), reason="needs a CPU with AMX-BF16"
 )
@@ -108,15 +104,18 @@ def test_amx_refuses_what_it_cannot_compute():
                                         0.125, amx=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("flags", [(), ("-march=native",)], ids=["plain", "native"])
-def test_amx_compiles_everywhere_and_runs_where_the_cpu_has_it(tmp_path, flags):
-    """cpu_amx.c compiles for any x86-64 target (its functions name their own), and
-    kvlab_amx_ready asks the CPU, whatever the build's target."""
-    if os.uname().machine != "x86_64" or not cpu_kernels_available():
-        pytest.skip("x86-64 with the native kernels only")
-    target = tmp_path / "kernels.so"
-    error = cpu_build._compile(cpu_build._compiler(), ("-O0", *flags, "-shared", "-fPIC",
-                                                       "-pthread"), target)  # fmt: skip
-    assert error is None, error
-    ready = ctypes.CDLL(str(target)).kvlab_amx_ready()
-    assert ready == (AMX_FLAGS <= cpu_build.cpu_flags()) == amx_ready()
+def test_bf16_prompts_go_where_they_run_fastest(monkeypatch):
+    """bf16: the AMX kernel where it runs; on a CPU with bf16 instructions but no AMX kernel
+    (no AMX, or an OS that refuses the tiles), torch's attention on oneDNN's bf16 kernels;
+    fp32: the register tiles where the build fits them."""
+    from kvlab.kernels import cpu_prefill
+
+    if not cpu_kernels_available():
+        pytest.skip("the native CPU kernels are unavailable")
+    q, k, _, _ = paged_case(8, 8, 4, 2, 64, torch.bfloat16, seed=2)
+    bf16_cpu = bool(cpu_build.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    tiles = cpu_prefill.prefill_pays()
+    assert cpu_prefill.prompt_pays(q, k) == (amx_ready() or (not bf16_cpu and tiles))
+    assert cpu_prefill.prompt_pays(q.float(), k.float()) == tiles
+    monkeypatch.setattr(cpu_prefill, "on_amx", lambda q, k_cache: False)
+    assert cpu_prefill.prompt_pays(q, k) == (not bf16_cpu and tiles)

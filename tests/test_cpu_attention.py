@@ -6,7 +6,7 @@ and one behind a long prefix (the prompt kernel), all in one mixed step; the sam
 retention policy's dropped blocks; a head size off the prompt kernel's vectors (the
 reference's call); and the real model's greedy tokens. The group tests run with prompts
 through the prompt kernel and through the reference both, whichever this CPU's dispatch
-picks (prefill_pays: AVX-512, or AVX2 and FMA).
+picks (prompt_pays).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ STEP = [
 @pytest.fixture(params=[True, False], ids=["prompt-kernel", "prompt-reference"])
 def prompt_kernel(request, monkeypatch):
     """Both dispatches of a prompt group, on any CPU."""
-    monkeypatch.setattr(cpu_prefill, "prefill_pays", lambda: request.param)
+    monkeypatch.setattr(cpu_prefill, "prompt_pays", lambda q, k_cache: request.param)
     return request.param
 
 

@@ -191,7 +191,8 @@ def test_torch_openmp_threads_and_our_own_give_the_same_bits(tmp_path):
 def test_prefill_pays_asks_the_build_not_the_cpu(tmp_path, flags):
     """The tiles' width is fixed when the library compiles (cpu_common.h), so the build
     says whether they fit: with -march=native where the CPU has AVX-512, or AVX2 with FMA;
-    a plain x86-64 build (cpu_build's fallback without -march=native) has neither."""
+    a plain x86-64 build (cpu_build's fallback without -march=native) has neither. The AMX
+    kernels' readiness is the CPU's in either build."""
     import ctypes
 
     from kvlab.kernels import cpu_build
@@ -205,6 +206,9 @@ def test_prefill_pays_asks_the_build_not_the_cpu(tmp_path, flags):
     fit = ctypes.CDLL(str(target)).kvlab_prefill_tiles_fit()
     cpu = cpu_build.cpu_flags()
     assert fit == (bool(flags) and ("avx512f" in cpu or {"avx2", "fma"} <= cpu))
+    # cpu_amx.c compiles for any x86-64 target; kvlab_amx_ready asks the CPU either way
+    amx = {"amx_bf16", "amx_tile", "avx512f", "avx512bw", "avx512_bf16"} <= cpu
+    assert ctypes.CDLL(str(target)).kvlab_amx_ready() == amx
     if flags == ("-march=native",):  # the library kvlab loads is this build
         from kvlab.kernels.cpu_prefill import prefill_pays
 

@@ -18,7 +18,7 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention
-from kvlab.model.cpu_attention import cpu_attention
+from kvlab.model.kernel_args import pool_layer
 from kvlab.model.metadata import build_attention_metadata
 
 BLOCK = 16
@@ -64,10 +64,11 @@ def prompt_rows(
     dtype=torch.float32,
 ) -> list[dict]:
     """For each (cached P, new Q): ms and GFLOP/s of one layer's prompt attention through
-    the C prompt kernel (kvlab.model.cpu_attention: "amx" for bf16 where the CPU has it,
-    else the fp32 register "tiles") and through the torch reference (pooled_attention:
-    scaled_dot_product_attention, causal, or masked after a prefix), and the largest
-    difference between them."""
+    the C prompt kernel ("amx" for bf16 where the CPU has it, else the fp32 register
+    "tiles") and through the torch reference (pooled_attention: scaled_dot_product_attention,
+    causal, or masked after a prefix), and the largest difference between them; for bf16
+    also the register tiles' ms (`tiles_ms`: what a bf16 prompt would cost without AMX)."""
+    from kvlab.kernels import cpu_paged_prefill_attention
     from kvlab.kernels.cpu_prefill import AMX_DIMS, amx_ready
 
     amx = dtype == torch.bfloat16 and head_dim in AMX_DIMS and amx_ready()
@@ -81,13 +82,17 @@ def prompt_rows(
         q = torch.randn(new, heads, head_dim, generator=torch.Generator().manual_seed(seed))
         q = q.to(dtype)
         scale = head_dim**-0.5
-        kernel = partial(cpu_attention, q, 0, pool, meta, scale)
-        reference = partial(pooled_attention, q, 0, pool, meta, scale)
-        diff = (kernel().float() - reference().float()).abs().max().item()
-        times = {"kernel": [], "torch": []}
-        for _ in range(rounds):  # alternated, so both see the same machine
-            times["kernel"].append(best_ms(kernel, 1))
-            times["torch"].append(best_ms(reference, 1))
+        layer, slots = pool_layer(pool, 0), meta.groups[0].slots[0]
+        caches = (layer["k_cache"], layer["v_cache"], slots, scale)
+        kernel = partial(cpu_paged_prefill_attention, q, *caches, amx=amx)
+        calls = {"kernel": kernel, "torch": partial(pooled_attention, q, 0, pool, meta, scale)}
+        if dtype == torch.bfloat16:
+            calls["tiles"] = partial(cpu_paged_prefill_attention, q, *caches, amx=False)
+        diff = (kernel().float() - calls["torch"]().float()).abs().max().item()
+        times = {name: [] for name in calls}
+        for _ in range(rounds):  # alternated, so all see the same machine
+            for name, call in calls.items():
+                times[name].append(best_ms(call, 1))
         flops = 4 * heads * head_dim * (new * cached + new * (new + 1) / 2)
         kernel_ms, torch_ms = min(times["kernel"]), min(times["torch"])
         rows.append(
@@ -103,6 +108,7 @@ def prompt_rows(
                 "speedup": round(torch_ms / kernel_ms, 2),
                 "max_abs_diff": diff,
             }
+            | ({"tiles_ms": round(min(times["tiles"]), 3)} if "tiles" in times else {})
         )
     return rows
 

@@ -14,9 +14,10 @@ Every group of meta.groups (kvlab.model.metadata) is one of two kinds:
   register tiles over the rows' causal spans, where the reference's
   scaled_dot_product_attention computes every one of the Q x S scores of a masked call.
 
-A head size off the prompt kernel's 16-float vectors, or a library built for neither
-AVX-512 nor AVX2 and FMA (where the kernel's tiles need not beat torch's rate:
-`kvlab.kernels.cpu_prefill.prefill_pays`), takes the reference's call.
+Where the prompt kernel would not beat torch's attention
+(`kvlab.kernels.cpu_prefill.prompt_pays`: a head size off its 16-float vectors, a library
+built for neither AVX-512 nor AVX2 and FMA, bf16 on a CPU with bf16 instructions but
+without the AMX kernel), a prompt takes the reference's call.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def cpu_attention(
     (kvlab.kernels.cpu_kernels_available).
     """
     from kvlab.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention
-    from kvlab.kernels.cpu_prefill import prefill_fits, prefill_pays
+    from kvlab.kernels.cpu_prefill import prompt_pays
 
     out = torch.empty_like(q)
     stored = pool_layer(pool, layer)
@@ -50,7 +51,7 @@ def cpu_attention(
             out[group.rows] = cpu_paged_decode_attention(
                 rows, k_cache, v_cache, group.slots, group.lens, scale
             )
-        elif meta.window is None and prefill_pays() and prefill_fits(q.shape[-1]):
+        elif meta.window is None and prompt_pays(q, k_cache):
             # one prompt: (Q, heads, head_dim), written in place
             cpu_paged_prefill_attention(
                 rows, k_cache, v_cache, group.slots[0], scale, out=out[group.rows]
