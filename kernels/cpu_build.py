@@ -7,12 +7,12 @@
     native_function(name, argtypes)    an entry point of the library, its ctypes signature set
 
 SOURCES (the thread pool, the decode and the prompt kernels, bf16 prompts on AMX tiles, a
-layer's fused bf16 elementwise ops;
-cpu_common.h is what they share) compile on first use with the system's C compiler (`$CC`,
-else cc/gcc/clang) into `$XDG_CACHE_HOME/kvlab/kernels/` (default ~/.cache), named by a
-hash of the sources, flags, compiler version and CPU, compiled to a temporary file and
-renamed into place, so concurrent processes are safe. Without a compiler the kernels are
-unavailable, and kvlab.kernels.dispatch takes the torch reference instead.
+layer's fused bf16 elementwise ops; cpu_common.h is what they share) compile on first use
+with the system's C compiler (`$CC`, else cc/gcc/clang) into `$XDG_CACHE_HOME/kvlab/kernels/`
+(default ~/.cache), named by a hash of the sources, flags, compiler version and CPU,
+compiled to a temporary file and renamed into place, so concurrent processes are safe.
+Without a compiler the kernels are unavailable, and kvlab.kernels.dispatch takes the torch
+reference instead.
 
 Threads: where torch runs on OpenMP (Linux), the library is handed the GOMP_parallel of
 the runtime torch loaded, and each kernel call runs on torch's own OpenMP threads, which

@@ -110,11 +110,16 @@ def amx_ready() -> bool:
         return False
 
 
+def amx_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the AMX kernel can compute these tensors: bf16 queries and cache, a head
+    size in AMX_DIMS."""
+    return q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[-1] in AMX_DIMS
+
+
 def on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether cpu_paged_prefill_attention takes the AMX kernel for these tensors by
-    default: bf16 queries and cache, a head size in AMX_DIMS, and amx_ready()."""
-    bf16 = q.dtype == k_cache.dtype == torch.bfloat16
-    return bf16 and q.shape[-1] in AMX_DIMS and amx_ready()
+    default: `amx_takes` them and amx_ready()."""
+    return amx_takes(q, k_cache) and amx_ready()
 
 
 def prompt_pays(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -161,12 +166,16 @@ def cpu_paged_prefill_attention(
     if not prefill_fits(head_dim):
         raise ValueError(f"head_dim must be a multiple of {VECTOR}; got {head_dim}")
     amx = on_amx(q, k_cache) if amx is None else amx
-    if amx and not (q.dtype == k_cache.dtype == torch.bfloat16 and head_dim in AMX_DIMS):
+    if amx and not amx_takes(q, k_cache):
         raise ValueError(
             f"the AMX kernel takes bf16 q and caches with head_dim in 32, 64, .., 256; "
             f"got {q.dtype}, {k_cache.dtype}, head_dim {head_dim}"
         )
-    kernel = native_function("kvlab_paged_prefill", SIGNATURE, q.dtype, k_cache.dtype)
+    if amx:  # bf16 only: no dtype arguments
+        kernel, types = native_function("kvlab_paged_prefill_amx", AMX_SIGNATURE), ()
+    else:
+        kernel = native_function("kvlab_paged_prefill", SIGNATURE, q.dtype, k_cache.dtype)
+        types = (DTYPES[q.dtype], DTYPES[k_cache.dtype])
     q = q.detach().contiguous()
     k_cache, v_cache = rows_contiguous(k_cache), rows_contiguous(v_cache)
     slots = slots.contiguous()
@@ -174,9 +183,6 @@ def cpu_paged_prefill_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
-    types = () if amx else (DTYPES[q.dtype], DTYPES[k_cache.dtype])
-    if amx:
-        kernel = native_function("kvlab_paged_prefill_amx", AMX_SIGNATURE)
     status = kernel(
         q.data_ptr(),
         k_cache.data_ptr(),

@@ -69,9 +69,8 @@ def prompt_rows(
     causal, or masked after a prefix), and the largest difference between them; for bf16
     also the register tiles' ms (`tiles_ms`: what a bf16 prompt would cost without AMX)."""
     from kvlab.kernels import cpu_paged_prefill_attention
-    from kvlab.kernels.cpu_prefill import AMX_DIMS, amx_ready
+    from kvlab.kernels.cpu_prefill import on_amx
 
-    amx = dtype == torch.bfloat16 and head_dim in AMX_DIMS and amx_ready()
     rows = []
     for seed, (cached, new) in enumerate(cases):
         total = cached + new
@@ -83,6 +82,7 @@ def prompt_rows(
         q = q.to(dtype)
         scale = head_dim**-0.5
         layer, slots = pool_layer(pool, 0), meta.groups[0].slots[0]
+        amx = on_amx(q, layer["k_cache"])
         caches = (layer["k_cache"], layer["v_cache"], slots, scale)
         kernel = partial(cpu_paged_prefill_attention, q, *caches, amx=amx)
         calls = {"kernel": kernel, "torch": partial(pooled_attention, q, 0, pool, meta, scale)}

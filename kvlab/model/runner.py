@@ -125,11 +125,13 @@ class ModelRunner:
         self.layers, self.linear = self._weights(fused)
         self.device, self.dtype = self.embed.device, self.embed.dtype
         self.norm, self.silu_mul, self.apply_rope = rms_norm, silu_mul, apply_rope
+        self.fused_add_norm = None  # (h, delta, weight, eps) -> norm: one native call
         self.fused_ops = fused_ops and not batch_invariant and self._fused_runs(cfg)
         if self.fused_ops:
             from kvlab.kernels import cpu_fused
 
             self.silu_mul, self.apply_rope = cpu_fused.cpu_silu_mul, cpu_fused.cpu_rope
+            self.fused_add_norm = cpu_fused.cpu_add_rms_norm
         if batch_invariant:  # every reduction in kvlab's fixed order (kvlab.model.invariant)
             from kvlab.model import invariant
 
@@ -152,10 +154,8 @@ class ModelRunner:
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
         """h += delta (the residual stream takes a sublayer's output, when there is one),
         then h's RMS norm: (T, hidden) -> (T, hidden). One native call when fused."""
-        if self.fused_ops:
-            from kvlab.kernels.cpu_fused import cpu_add_rms_norm
-
-            return cpu_add_rms_norm(h, delta, weight, self.eps)
+        if self.fused_add_norm is not None:
+            return self.fused_add_norm(h, delta, weight, self.eps)
         if delta is not None:
             h += delta
         return self.norm(h, weight, self.eps)
