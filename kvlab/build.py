@@ -97,7 +97,14 @@ def build_parts(
     embedding = hf.get_input_embeddings().weight
     try:
         cache = make_cache(
-            config, spec, embedding.dtype, embedding.device, max_model_len, attach, kv_events
+            config,
+            spec,
+            embedding.dtype,
+            embedding.device,
+            max_model_len,
+            attach,
+            kv_events,
+            pattern,
         )
     except BaseException:
         close()
@@ -108,6 +115,8 @@ def build_parts(
         attention = build_attention(config, cache.block_size, scores)
         fused_ops = config.attention == "kernels"  # bf16 on the CPU: kvlab.kernels.cpu_fused
         runner = ModelRunner(hf, attention, config.batch_invariant, pattern, fused_ops)
+        if cache.groups is not None:  # hybrid: each layer reads and writes its group's blocks
+            runner.use_kv_groups(cache.groups)
     parts = EngineParts(runner, cache, max_model_len, parallel=parallel, close=close)
     if config.speculative is not None:
         from kvlab.speculative.speculator import Speculator

@@ -19,7 +19,8 @@ guards:
 
 and the parts a variant may hold, None where it has none: `index` (its prefix index, whose
 `keys` a session uses to forget its prefixes), `retention` (the policy that drops tokens;
-H2O scores what attention reads) and `connector` (the tiers below the device).
+H2O scores what attention reads), `connector` (the tiers below the device) and `groups`
+(the KV cache groups of a hybrid model, each with a table per sequence: `group_tables`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvlab.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvlab.cache.connector import KVConnector
+    from kvlab.cache.groups import KVCacheGroup
     from kvlab.cache.prefix.base import PrefixIndex
     from kvlab.cache.retention.base import RetentionPolicy
     from kvlab.config import EngineConfig
@@ -70,6 +72,7 @@ class KVCache(ABC):
     index: PrefixIndex | None = None
     retention: RetentionPolicy | None = None
     connector: KVConnector | None = None
+    groups: list[KVCacheGroup] | None = None  # KV cache groups (hybrid); None: one table
 
     def __init__(self, pool: KVPool, block_size: int, max_model_len: int, poison_freed: bool):
         if pool.num_slots % block_size:
@@ -140,6 +143,10 @@ class KVCache(ABC):
     @abstractmethod
     def block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids holding the sequence's tokens, in logical order."""
+
+    def group_tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's block table in each KV cache group (one group but in hybrid)."""
+        return [self.block_table(seq)]
 
     @abstractmethod
     def reserved_slots(self) -> int:
@@ -261,9 +268,14 @@ def make_pool(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    model_spec: KVSpec | None = None,
 ) -> KVPool:
     """The pool the config's KV budget buys for `cache`: budget // (bytes per token, scales
-    included) slots, in whole runs of the cache's unit (a block, or a naive region)."""
+    included) slots, in whole runs of the cache's unit (a block, or a naive region).
+
+    `spec` is what one slot holds; `model_spec` the model's whole KV when a slot holds
+    fewer layers (a hybrid cache's group): `kv_budget_tokens` counts tokens of the whole
+    model, so every cache gets the same bytes."""
     from kvlab.cache.codecs import CODECS
     from kvlab.config import DEFAULT_BUDGET_TOKENS
 
@@ -272,7 +284,8 @@ def make_pool(
     if config.kv_budget_bytes is not None:
         slots = config.kv_budget_bytes // per_token
     else:
-        slots = config.kv_budget_tokens or DEFAULT_BUDGET_TOKENS
+        tokens = config.kv_budget_tokens or DEFAULT_BUDGET_TOKENS
+        slots = tokens * codec.token_bytes(model_spec or spec, dtype) // per_token
     field, unit = cache.slot_unit(config, max_model_len)
     if unit % codec.alignment:
         raise ValueError(

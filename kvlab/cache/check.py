@@ -33,7 +33,25 @@ def check_config(config) -> None:
             f"EngineConfig.admission={config.admission!r} needs cache='paged' "
             f"(cache={config.cache!r} implements {cache.admissions})"
         )
+    if config.cache == "hybrid":
+        _check_hybrid(config)
     if config.tiers is not None and not isinstance(config.tiers, TierConfig):
         raise ValueError(
             f"EngineConfig.tiers={config.tiers!r} must be a kvlab.cache.tiers.TierConfig"
+        )
+
+
+def _check_hybrid(config) -> None:
+    """What the hybrid cache (kvlab.cache.hybrid) combines with so far."""
+    for name, wanted in (
+        ("preemption", "recompute"), ("retention", "full"), ("tiers", None),
+        ("speculative", None), ("tensor_parallel_size", 1), ("batch_invariant", False),
+    ):  # fmt: skip
+        value = getattr(config, name)
+        if value != wanted:
+            raise ValueError(f"EngineConfig.cache='hybrid' needs {name}={wanted!r}; got {value!r}")
+    if config.prefix_caching not in (None, "hash"):
+        raise ValueError(
+            f"EngineConfig.cache='hybrid' needs prefix_caching='hash' or None (a sliding "
+            f"group's hit is found by block hashes); got {config.prefix_caching!r}"
         )

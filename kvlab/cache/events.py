@@ -10,7 +10,8 @@ through an `EventSink` it is given when built, a plain callable; the serve layer
 
 Hashes here are the index's own bytes (32 for sha256_cbor, vLLM's; 16 for blake2b);
 `extra_keys` is one entry per block: None, or the untagged values the block's hash took
-besides its tokens (the cache salt), as vLLM's events carry them.
+besides its tokens (the cache salt), as vLLM's events carry them; `group_idx` names the
+KV cache group of a hybrid model whose index changed (kvlab.cache.groups; 0 otherwise).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ class BlockStored:
     token_ids: list[int]  # len(block_hashes) * block_size tokens
     block_size: int
     extra_keys: list[tuple | None]  # per block: None or (salt,)
+    group_idx: int = 0  # the KV cache group whose index stored them (kvlab.cache.hybrid)
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[bytes]
+    group_idx: int = 0
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,15 @@ class PrefixSharing:
         allocator: BlockAllocator,
         sequences: dict[int, Sequence],
         alignment: int = 1,
+        gaps: bool = False,
     ):
         """`sequences`: the cache's admitted sequences by request id (read, never changed);
-        `alignment`: the codec's token group (a partial hit copies whole groups)."""
+        `alignment`: the codec's token group (a partial hit copies whole groups); `gaps`:
+        index every kept block, also those after a dropped one (a sliding-window group
+        of kvlab.cache.hybrid, whose hits need only the blocks its window reaches), not
+        only the leading run of kept blocks (what a left-to-right match can reach)."""
         self.index = index
+        self.gaps = gaps
         self.history = None if index is None else PrefixHistory(block_size)
         self.block_size = block_size
         self.allocator = allocator
@@ -91,7 +96,7 @@ class PrefixSharing:
         as unwritten; `release` withdraws it if they never are (a request preempted before
         its step ran)."""
         upto = seq.num_computed if upto is None else upto
-        upto = min(upto, leading_kept(table) * self.block_size)
+        upto = min(upto, self._indexable(table) * self.block_size)
         full = upto // self.block_size
         if self.index is None or full <= self.published.get(seq.request_id, 0):
             return
@@ -138,11 +143,16 @@ class PrefixSharing:
                     f"block {block} is shared before its tokens were computed",
                 )
                 self.forget(block)
-        kept = leading_kept(table)  # blocks after a dropped one are never indexed
+        kept = self._indexable(table)  # blocks after a dropped one: only with gaps
         tokens = seq.token_ids[: min(seq.num_computed, kept * self.block_size)]
         whole = kept == len(table)
         sole_owner = whole and bool(table) and self.allocator.ref_counts[table[-1]] == 1
         self.index.insert(tokens, table[:kept], seq.salt, partial=sole_owner)
+
+    def _indexable(self, table: list[int]) -> int:
+        """Leading blocks of `table` the index may hold (the dropped ones among them are
+        skipped by the index)."""
+        return len(table) if self.gaps else leading_kept(table)
 
     def indexed(self, block: int) -> bool:
         return self.index is not None and block in self.index

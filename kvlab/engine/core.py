@@ -108,13 +108,17 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
         for seq, n in batch:  # the scheduler has already secured their blocks
             starts.append(seq.num_computed)
             ids.extend((seq.token_ids + seq.draft_ids)[seq.num_computed : seq.num_computed + n])
-            tables.append(self.cache.block_table(seq))
+            tables.append(self.cache.group_tables(seq))  # one per KV cache group
             rows = n if seq.draft_ids else 1
             wanted.extend(range(len(ids) - rows, len(ids)))
         device = self.runner.device
-        meta = build_attention_metadata(
-            starts, batch.num_new_tokens, tables, self.cache.block_size, device
-        )
+        metas = [  # per KV cache group: where its layers write and read
+            build_attention_metadata(
+                starts, batch.num_new_tokens, [t[g] for t in tables], self.cache.block_size, device
+            )
+            for g in range(len(tables[0]))
+        ]
+        meta = metas[0] if len(metas) == 1 else metas
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         at = torch.tensor(wanted, device=device) if len(wanted) > len(batch.seqs) else None
         logits = self.runner.forward(input_ids, meta, self.cache.pool, logits_at=at)

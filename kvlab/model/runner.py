@@ -111,6 +111,8 @@ class ModelRunner:
         self.kv_spec = kv_spec_of(cfg)
         self.attention_fn = attention_fn
         self.windows = pattern or model_pattern(cfg)  # (None | W) per layer
+        # per layer: (KV cache group, pool layer); one group of every layer by default
+        self.kv_layers = [(0, layer) for layer in range(len(self.windows))]
 
         base = hf_model.model
         self.embed = base.embed_tokens.weight  # (vocab, hidden)
@@ -174,6 +176,17 @@ class ModelRunner:
             weights += [w.qkv, w.o, w.gate_up, w.down]
         return Linears(weights)
 
+    def use_kv_groups(self, groups: list) -> None:
+        """Read and write each layer's K/V where its KV cache group keeps them
+        (kvlab.cache.groups): layer `group.layers[i]` in pool layer i, through group g's
+        metadata (`forward` is then handed one metadata per group)."""
+        for g, group in enumerate(groups):
+            for slot, layer in enumerate(group.layers):
+                if self.windows[layer] != group.window:
+                    raise ValueError(f"layer {layer} has window {self.windows[layer]}, its "
+                                     f"KV cache group {g} {group.window}")  # fmt: skip
+                self.kv_layers[layer] = (g, slot)
+
     def use_attention(self, fn: AttentionFn) -> AttentionFn:
         """Compute attention with `fn` from now on (another backend, a wrapper that scores
         what each query reads); returns the one it replaces, to put back."""
@@ -211,7 +224,7 @@ class ModelRunner:
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         pool: KVPool,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
@@ -219,15 +232,18 @@ class ModelRunner:
         """One step for the whole batch.
 
         input_ids: (T,) new tokens, packed sequence by sequence.
+        meta: the step's metadata, or one per KV cache group (`use_kv_groups`): each
+        group's tokens are written to and read from its own blocks.
         Returns logits (B, vocab) at each sequence's last new token, or (T, vocab) if
         `all_logits` (teacher-forced scoring), or (len(logits_at), vocab) at the rows of T
         `logits_at` names (speculative verification).
         """
+        metas = meta if isinstance(meta, list) else [meta]  # per KV cache group
+        meta = metas[0]  # positions and the rows of last tokens are every group's
         h = self.embed[input_ids]  # (T, hidden): the residual stream, this step's own
         cos, sin = self.rope(meta.positions)  # (T, head_dim) each
         n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        metas = {window: windowed(meta, window) for window in set(self.windows) - {None}}
-        metas[None] = meta  # full attention: the step's own
+        views = {}  # (group, window) -> what those layers read: the group's, or its window's
         mlp = None  # the previous layer's MLP output, which the next norm adds to h
         for index, w in enumerate(self.layers):
             x = self.add_norm(h, mlp, w.input_norm)
@@ -236,9 +252,14 @@ class ModelRunner:
             k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
-            pool.write(index, meta.slot_mapping, k, v)
-            layer_meta = metas[self.windows[index]]  # the step's, or its window's
-            attn = self.attention_fn(q, index, pool, layer_meta, self.scale)  # (T, heads, dim)
+            group, slot, window = *self.kv_layers[index], self.windows[index]
+            pool.write(slot, metas[group].slot_mapping, k, v)
+            if (group, window) not in views:
+                full = metas[group]
+                views[group, window] = full if window is None else windowed(full, window)
+            attn = self.attention_fn(
+                q, slot, pool, views[group, window], self.scale
+            )  # (T, heads, dim)
             attn = self.reduce(self.linear(attn.reshape(-1, n_q), w.o))  # (T, hidden)
             x = self.add_norm(h, attn, w.post_norm)
             gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)

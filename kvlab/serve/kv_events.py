@@ -109,14 +109,14 @@ def wire_event(event: KVEvent, as_int: bool = True) -> dict:
             "medium": MEDIUM,
             "lora_name": None,
             "extra_keys": [None if k is None else list(k) for k in event.extra_keys],
-            "group_idx": 0,
+            "group_idx": event.group_idx,
         }
     if isinstance(event, BlockRemoved):
         return {
             "type": "BlockRemoved",
             "block_hashes": [external_hash(h, as_int) for h in event.block_hashes],
             "medium": MEDIUM,
-            "group_idx": 0,
+            "group_idx": event.group_idx,
         }
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}

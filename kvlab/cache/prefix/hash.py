@@ -28,6 +28,7 @@ import numpy as np
 from kvlab.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
 from kvlab.cache.prefix.base import PrefixIndex, PrefixMatch
 from kvlab.cache.prefix.registry import PREFIX_INDEXES
+from kvlab.cache.retention.base import DROPPED
 
 HASH_ALGOS = ("blake2b", "sha256_cbor")
 VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed when PYTHONHASHSEED is unset
@@ -126,6 +127,8 @@ class HashPrefixIndex(PrefixIndex):
         keys = self.keys(tokens, salt)
         new = []  # positions of the blocks indexed now
         for i, (key, block) in enumerate(zip(keys, blocks)):
+            if block == DROPPED:  # a sliding-window group's block that left its window
+                continue
             if key not in self.block_of and block not in self.key_of:
                 self.block_of[key], self.key_of[block] = block, key
                 new.append(i)

@@ -1,0 +1,324 @@
+"""The hybrid cache: a block table per KV cache group, over one pool and one allocator.
+
+vLLM's hybrid KV cache manager, for models that mix full-attention and sliding-window
+layers (kvlab.cache.groups says how layers form groups and what a prefix hit is). Each
+group is a paged cache of its own (`GroupTables`) sharing the pool, the block allocator
+and its LRU with the others:
+
+- a full group keeps every block of its sequence, as the paged cache does;
+- a sliding group drops, after every step, the blocks its window no longer reaches
+  (vLLM's `remove_skipped_blocks`: those before token `num_computed - W + 1`); a dropped
+  block stays cached while the LRU keeps it, so a later prompt may still hit it;
+- admission takes, in one call, the blocks every group needs beyond the prefix hit that
+  every group can serve (`cross_group_hit`), or nothing.
+
+Each group's index hashes the same chained block keys; a group's KV events carry its
+`group_idx`, as vLLM's do. With every layer full there is one group, and the hybrid
+cache computes what the paged cache does.
+
+What it does not combine with yet (a ValueError names each): swap preemption, radix
+prefix caching, reserve admission, retention policies, tiers, speculation, tensor
+parallelism, disaggregation and batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvlab.cache.admission import worst_case_blocks
+from kvlab.cache.allocator import BlockAllocator
+from kvlab.cache.base import KVCache
+from kvlab.cache.events import AllBlocksCleared
+from kvlab.cache.groups import KVCacheGroup, cross_group_hit
+from kvlab.cache.paged import PagedCache
+from kvlab.cache.pool import KVPool
+from kvlab.cache.prefix import PREFIX_INDEXES
+from kvlab.cache.registry import CACHES
+from kvlab.cache.retention import DROPPED, RETENTION
+from kvlab.cache.sharing import PrefixSharing
+from kvlab.integrity import require
+from kvlab.sequence import Note, Sequence
+from kvlab.units import ceil_div
+
+
+class GroupTables(PagedCache):
+    """One KV cache group's block tables: a paged cache whose allocator is shared.
+
+    A sliding group's retention is its window: it keeps the blocks from token
+    `num_computed - W + 1` on, and a block it drops stays in its prefix index (cached)
+    until the shared LRU evicts it."""
+
+    def __init__(self, group: KVCacheGroup, pool: KVPool, block_size: int, max_model_len: int,
+                 poison_freed: bool, index, allocator: BlockAllocator):  # fmt: skip
+        window = group.window
+        retention = None if window is None else RETENTION["window"](block_size, 0, window - 1)
+        super().__init__(pool, block_size, max_model_len, poison_freed, index, 0.0, retention)
+        self.group = group
+        self.label = f"group {group.layers} (window {window})"
+        self.sharing = PrefixSharing(
+            index, block_size, allocator, self.sequences, gaps=window is not None
+        )
+
+    def retain(self, seq: Sequence) -> None:
+        """Drop the blocks the window left: each goes back to the shared allocator, cached
+        if indexed (vLLM frees a skipped block to its pool with its hash)."""
+        table, freed = self.tables[seq.request_id], []
+        for i in self.retention.drop(table, seq.num_computed):
+            block, table[i] = table[i], DROPPED
+            if self.allocator.decref(block, keep_cached=self.sharing.indexed(block)):
+                freed.append(block)
+            self.dropped_blocks += 1
+        if self.poison_freed and freed:
+            self.pool.poison(self.block_slots(freed))
+
+    def hit_table(self, keys: list[bytes], hit: int) -> list[int]:
+        """The table a hit of `hit` blocks starts with: the cached blocks it reuses, a
+        sliding group's blocks out of its window's reach `DROPPED`."""
+        need = self.group.blocks_needed(self.block_size)
+        first = 0 if need is None else max(0, hit - need)
+        block_of = self.index.block_of if self.index is not None else {}
+        return [DROPPED] * first + [block_of[keys[i]] for i in range(first, hit)]
+
+    def check_table(self, seq: Sequence, table: list[int]) -> None:
+        """Its tokens are in its blocks; only a window drops, and only what it no longer
+        reaches."""
+        rid = seq.request_id
+        require(seq.num_computed <= len(table) * self.block_size,
+                f"request {rid} has tokens outside {self.label}'s blocks")  # fmt: skip
+        reach = 0  # blocks before this one may be dropped
+        if self.group.window is not None:
+            reach = self.retention.recent_start(seq.num_computed, self.group.window - 1)
+        dropped = [i for i, block in enumerate(table) if block == DROPPED]
+        require(all(i < reach for i in dropped),
+                f"{self.label} dropped a block request {rid} still reads")  # fmt: skip
+
+    def peak_blocks(self, seq: Sequence) -> int:
+        """Most blocks `seq` holds at once in this group: all of them in a full group; a
+        window's reach, the tail and its prompt's blocks in a sliding one."""
+        blocks = worst_case_blocks(self, seq)
+        need = self.group.blocks_needed(self.block_size)
+        if need is None:
+            return blocks
+        return min(blocks, need + 1 + ceil_div(len(seq.prompt_ids), self.block_size))
+
+
+@CACHES.register("hybrid")
+class HybridCache(KVCache):
+    shares_prefixes = forks = emits_events = True
+    admissions = ("watermark",)  # vLLM's; reserve would promise every group's worst case
+
+    def __init__(
+        self,
+        pool: KVPool,
+        block_size: int,
+        max_model_len: int,
+        groups: list[KVCacheGroup],
+        poison_freed: bool = False,
+        prefix_caching: str | None = None,
+        watermark: float = 0.01,
+        events=None,
+        hash_options: dict | None = None,
+    ):
+        """`groups`: the model's KV cache groups (kvlab.cache.groups.kv_cache_groups); the
+        pool holds as many layers as the largest group. `prefix_caching`: None or "hash";
+        `events`: a sink for the indexes' KV events, each tagged with its group."""
+        super().__init__(pool, block_size, max_model_len, poison_freed)
+        self.groups = groups
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evict)
+        self.watermark_blocks = int(watermark * self.num_blocks)
+        self.parts = [
+            GroupTables(
+                group,
+                pool,
+                block_size,
+                max_model_len,
+                poison_freed,
+                _index(prefix_caching, block_size, events, g, hash_options or {}),
+                self.allocator,
+            )  # fmt: skip
+            for g, group in enumerate(groups)
+        ]
+
+    @classmethod
+    def slot_unit(cls, config, max_model_len: int) -> tuple[str, int]:
+        return "block_size", config.block_size
+
+    @classmethod
+    def from_config(cls, config, pool: KVPool, max_model_len: int, events=None, groups=None):
+        if events is not None and not config.prefix_caching:
+            raise ValueError("KV events need prefix caching: set prefix_caching='hash'")
+        options = {"algo": config.prefix_caching_hash_algo, "seed": config.prefix_caching_hash_seed}
+        return cls(pool, config.block_size, max_model_len, groups, config.poison_freed,
+                   config.prefix_caching, config.watermark, events, options)  # fmt: skip
+
+    @property
+    def index(self):
+        """The first group's prefix index (sessions forget prefixes through every group's)."""
+        return self.parts[0].index
+
+    # --- admission -----------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        need = sum(part.peak_blocks(seq) for part in self.parts)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"request needs {need} blocks of {self.block_size} tokens over its "
+                f"{len(self.parts)} KV cache groups (prompt {len(seq.prompt_ids)} + "
+                f"max_new_tokens {seq.params.max_new_tokens}) but the KV budget holds only "
+                f"{self.num_blocks} blocks"
+            )
+
+    def prefix_hit(self, seq: Sequence) -> tuple[int, list[bytes]]:
+        """(blocks every group can serve of `seq`'s prompt, the prompt's chained keys)."""
+        if self.index is None or seq.num_computed:
+            return 0, []
+        keys = self.index.keys(seq.prompt_ids, seq.salt)
+        limit = (len(seq.prompt_ids) - 1) // self.block_size  # the last token always runs
+        indexes = [part.index.block_of for part in self.parts]
+        hit = cross_group_hit(
+            self.groups, lambda g, i: keys[i] in indexes[g], min(limit, len(keys)), self.block_size
+        )
+        return hit, keys
+
+    def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> list[list[int]] | None:
+        """Every group's first table (its hit), if their first step's blocks fit."""
+        hit, keys = self.prefix_hit(seq)
+        tables = [part.hit_table(keys, hit) for part in self.parts]
+        end = _first_step_end(seq, hit * self.block_size, chunk)
+        need = sum(ceil_div(end, self.block_size) - len(table) for table in tables)
+        reused = {b for table in tables for b in table if b != DROPPED}
+        pinned = sum(1 for b in reused if b in self.allocator.cached)
+        headroom = 0 if alone else self.watermark_blocks
+        return tables if need <= self.allocator.num_available - pinned - headroom else None
+
+    def _allocate(self, seq: Sequence, tables: list[list[int]], chunk: int | None) -> None:
+        hit = len(tables[0]) * self.block_size
+        for part, table in zip(self.parts, tables):
+            for block in table:
+                if block != DROPPED:
+                    self.allocator.incref(block)
+            part.tables[seq.request_id] = list(table)
+            part.sequences[seq.request_id] = seq
+        seq.num_computed = seq.prefix_hit_tokens = hit
+        if self.index is not None:
+            text = f"prefix cache: {hit} of {len(seq.prompt_ids)} prompt tokens hit in every group"
+            seq.notes.append(Note("prefix", "hit" if hit else "miss", text))
+
+    # --- growth, release, sharing ----------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return sum(part.blocks_needed(seq, num_tokens) for part in self.parts)
+
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> None:
+        for part in self.parts:
+            part.ensure_capacity(seq, num_tokens)
+
+    def retain(self, seq: Sequence) -> None:
+        for part in self.parts:
+            part.retain(seq)
+
+    def publish(self, seq: Sequence, upto: int | None = None) -> None:
+        for part in self.parts:
+            part.publish(seq, upto)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for part in self.parts:
+            part.fork(parent, child)
+        self.sequences[child.request_id] = child
+
+    def _release(self, seq: Sequence) -> list[int]:
+        freed = []
+        for part in self.parts:
+            part.sequences.pop(seq.request_id)
+            freed += part._release(seq)
+        return freed
+
+    def _trim(self, seq: Sequence) -> list[int]:
+        return [block for part in self.parts for block in part._trim(seq)]
+
+    def _evict(self, block: int) -> None:
+        """The LRU evicts a cached block: the group whose index holds it forgets it."""
+        for part in self.parts:
+            if part.sharing.indexed(block):
+                part.sharing.forget(block)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.allocator.num_used:
+            return False
+        return all([part.reset_prefix_cache() for part in self.parts])
+
+    def forget_prefixes(self, prefixes: list[tuple], keep: set[bytes]) -> dict[str, int]:
+        return {"device": sum(part.sharing.drop_prefixes(prefixes, keep)[0] for part in self.parts)}
+
+    # --- accounting ----------------------------------------------------------------
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The first group's table (a full group's, where the model has one)."""
+        return self.parts[0].tables[seq.request_id]
+
+    def group_tables(self, seq: Sequence) -> list[list[int]]:
+        return [part.tables[seq.request_id] for part in self.parts]
+
+    @property
+    def num_available(self) -> int:
+        return self.allocator.num_available
+
+    def reserved_slots(self) -> int:
+        return self.allocator.num_used * self.block_size
+
+    def live_tokens(self) -> int:
+        """Tokens stored in referenced blocks over every group (a token of a sequence
+        counts once per group that keeps it: each holds its own layers' K/V)."""
+        return sum(part.live_tokens() for part in self.parts)
+
+    def group_blocks(self) -> list[int]:
+        """Blocks each group's tables reference now (each shared block once)."""
+        return [
+            len({b for table in part.tables.values() for b in table if b != DROPPED})
+            for part in self.parts
+        ]
+
+    def block_owners(self) -> list[int]:
+        owners = [-1] * self.num_blocks
+        for part in self.parts:
+            for block, owner in enumerate(part.block_owners()):
+                if owner != -1:
+                    owners[block] = owner if owners[block] == -1 else -2
+        return owners
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        counts = [0] * self.num_blocks
+        for part in self.parts:
+            require(set(part.tables) == set(self.sequences), f"{part.label}'s tables != admitted")
+            for request_id, table in part.tables.items():
+                part.check_table(self.sequences[request_id], table)
+                for block in table:
+                    counts[block] += block != DROPPED
+        require(counts == self.allocator.ref_counts, "reference counts != table references")
+        for block in self.allocator.cached:
+            owners = sum(part.sharing.indexed(block) for part in self.parts)
+            require(owners == 1, f"cached block {block} is in {owners} groups' indexes")
+        for block in self.allocator.free_blocks:
+            indexed = any(part.sharing.indexed(block) for part in self.parts)
+            require(not indexed, f"free block {block} is in a prefix index")
+
+
+def _first_step_end(seq: Sequence, hit: int, chunk: int | None) -> int:
+    """Tokens `seq` holds after its first step: `hit`, then `chunk` more (None: all)."""
+    return seq.num_tokens if chunk is None else min(seq.num_tokens, hit + chunk)
+
+
+def _index(name: str | None, block_size: int, events, group: int, options: dict):
+    """Group `group`'s prefix index (None without prefix caching); its events say whose."""
+    if name is None:
+        return None
+    if name != "hash":
+        raise ValueError(f"cache='hybrid' needs prefix_caching='hash' or None; got {name!r}")
+    sink = None if events is None else (lambda event: events(_tagged(event, group)))
+    return PREFIX_INDEXES["hash"](block_size, options.get("algo", "blake2b"),
+                                  options.get("seed"), sink)  # fmt: skip
+
+
+def _tagged(event, group: int):
+    """`event` carrying its group (vLLM's BlockStored.group_idx); a reset has none."""
+    if isinstance(event, AllBlocksCleared):
+        return event
+    return dataclasses.replace(event, group_idx=group)
