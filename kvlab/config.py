@@ -103,7 +103,14 @@ class EngineConfig:
             sliding_window; every layer full for Llama), "full" makes every layer full,
             and e.g. "window=64*5,full" repeats 5 layers of a 64-token window and one
             full layer over the model (Gemma 3's 5 local : 1 global). A window needs
-            tensor_parallel_size=1, retention="full" and batch_invariant=False.
+            tensor_parallel_size=1, retention="full" and batch_invariant=False. The paged
+            cache keeps every block for a window's layers; cache="hybrid" gives them KV
+            cache groups that free what left the window (kvlab.cache.hybrid).
+        prefix_cache_retention_interval: which blocks a hybrid cache's sliding group keeps
+            cached once they leave its window: None (the default) every one it indexed;
+            N tokens (a multiple of block_size) only those a hit at a multiple of N
+            tokens reads, the rest go back to the free list (vLLM's
+            --prefix-cache-retention-interval, PR #43447).
         kv_codec: how K/V are stored: None (the model's dtype), "fp16", "bf16", "int8",
             "fp8_e4m3", "fp8_e5m2", "int4" or "kivi2" (see kvlab.cache.codecs). Scales
             count in the bytes per token, so kv_budget_bytes buys more slots when smaller.
@@ -149,6 +156,7 @@ class EngineConfig:
     retention_sinks: int = 4
     retention_heavy: int = 256
     attention_pattern: str | None = None  # None: the model's own (kvlab.model.pattern)
+    prefix_cache_retention_interval: int | None = None  # hybrid: None keeps every window block
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.coerce(self.speculative)
@@ -191,6 +199,13 @@ class EngineConfig:
             )
         self._check_tensor_parallel()
         self._check_retention()
+        interval = self.prefix_cache_retention_interval
+        if interval is not None:
+            _require(
+                self.cache == "hybrid" and interval > 0 and interval % self.block_size == 0,
+                f"EngineConfig.prefix_cache_retention_interval={interval} needs cache='hybrid' "
+                f"and a positive multiple of block_size={self.block_size}",
+            )
         self._check_tiers()
         if self.batch_invariant:
             for name, wanted in (("tensor_parallel_size", 1), ("retention", "full")):

@@ -312,3 +312,40 @@ def tiny_model(tiny_model_path) -> kvlab.LoadedModel:
     zeros or reads a wrong slot changes its outputs (tests/test_mutations.py checks it).
     """
     return kvlab.load_model(tiny_model_path, device="cpu", progress=False)
+
+
+WINDOW = 8  # tiny_qwen's sliding window
+
+
+def as_qwen2(llama, layer_types: list[str], window: int):
+    """The Llama `llama` (a transformers model) as a Qwen2 with these layer kinds: the same
+    weights, zero Q/K/V biases, so its forward is the Llama's with sliding-window masks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    c = llama.config
+    config = Qwen2Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=c.rope_parameters, tie_word_embeddings=c.tie_word_embeddings,
+        use_sliding_window=True, sliding_window=window, max_window_layers=0,
+        layer_types=layer_types, torch_dtype=c.torch_dtype,
+    )  # fmt: skip
+    qwen = Qwen2ForCausalLM(config).to(llama.dtype).eval()
+    missing, unexpected = qwen.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all(name.endswith(".bias") for name in missing), missing
+    for layer in qwen.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.zeros_(proj.bias)
+    return qwen
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tiny_model, tmp_path_factory) -> kvlab.LoadedModel:
+    """The tiny Llama as a Qwen2 whose first layer slides (WINDOW tokens), second is full."""
+    qwen = as_qwen2(tiny_model.hf_model, ["sliding_attention", "full_attention"], WINDOW)
+    path = tmp_path_factory.mktemp("tiny-qwen2-sliding")
+    qwen.save_pretrained(path)
+    tiny_model.tokenizer.save_pretrained(path)
+    return kvlab.load_model(path, device="cpu", progress=False)

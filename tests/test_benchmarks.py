@@ -144,6 +144,22 @@ def test_attention_pattern_quick(tiny_model_path):
     assert {r["tokens"] for r in rows.values()} == {result["tokens_scored"]} == {63}
 
 
+def test_hybrid_cache_quick(tiny_model_path):
+    """On one budget, a window's groups hold more context than all full; a hit is whole
+    blocks, so blocks longer than the chats' prompts never hit."""
+    result = run_script("hybrid_cache", tiny_model_path)
+    held = {row["system"]: row for row in result["held"]}
+    assert len({row["kv_bytes"] for row in held.values()}) == 1  # the same budget
+    assert held["groups"]["most_context_tokens"] > held["all full"]["most_context_tokens"]
+    grain = {row["block_size"]: row for row in result["granularity"]}
+    assert grain[16]["hit_pct"] > 0
+    for size in (256, 1024):
+        assert grain[size]["hit_pct"] == 0
+        assert grain[size]["zero_hit_turns"] == grain[size]["later_turns"]
+    assert {row["system"] for row in result["chat"]} == {"all full", "groups",
+                                                           "groups, interval 16"}  # fmt: skip
+
+
 def test_speculative_quick(tiny_model_path):
     result = run_script("speculative", tiny_model_path, "--no-vllm")  # tests/test_spec_vllm.py
     assert result["mismatches"] == []

@@ -7,25 +7,13 @@ whole after every step."""
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy
-from test_attention_pattern import PROMPTS, as_qwen2
+from conftest import WINDOW, as_qwen2, hf_greedy
+from test_attention_pattern import PROMPTS
 
 import kvlab
 from kvlab.cache.events import EventLog
 from kvlab.cache.groups import KVCacheGroup, cross_group_hit, kv_cache_groups
 from kvlab.cache.retention import DROPPED
-
-WINDOW = 8
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen(tiny_model, tmp_path_factory) -> kvlab.LoadedModel:
-    """The tiny Llama as a Qwen2 whose first layer slides (WINDOW tokens), second is full."""
-    qwen = as_qwen2(tiny_model.hf_model, ["sliding_attention", "full_attention"], WINDOW)
-    path = tmp_path_factory.mktemp("tiny-qwen2-hybrid")
-    qwen.save_pretrained(path)
-    tiny_model.tokenizer.save_pretrained(path)
-    return kvlab.load_model(path, device="cpu", progress=False)
 
 
 def hybrid(**fields) -> kvlab.EngineConfig:
@@ -178,6 +166,33 @@ def test_a_hit_the_window_cannot_serve_is_no_hit(tiny_qwen):
     out = engine.generate([prompt], params)[0]
     assert out.metrics.prefix_hit_tokens == 0
     assert out.token_ids == hf_greedy(tiny_qwen, prompt, 4)
+    why = engine.explain(out.request_id)  # the group that set the hit, named
+    assert "0 of 37 prompt tokens hit" in why and "0 (full) 36, 1 (window 8) 0" in why
+
+
+@pytest.mark.parametrize("interval, kept", [(None, set(range(10))), (16, {2, 3, 6, 7, 8, 9})])
+def test_a_retention_interval_keeps_only_the_blocks_its_hits_read(tiny_qwen, interval, kept):
+    """40 computed tokens in blocks of 4, a window of 8 (a hit reads 2 blocks back): with
+    an interval of 16 tokens the window keeps cached blocks 2-3 and 6-7 (what hits at
+    16 and 32 read) and the blocks it held at the end; without, every block."""
+    config = hybrid(prefix_caching="hash", prefix_cache_retention_interval=interval)
+    engine = checked(kvlab.Engine(tiny_qwen, config))
+    params = kvlab.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    out = engine.generate([PROMPTS[0]], params)[0]
+    keys = engine.cache.index.keys(PROMPTS[0] + out.token_ids[:3], None)
+    sliding = engine.cache.parts[1].index.block_of
+    assert {i for i, key in enumerate(keys) if key in sliding} == kept
+    assert len(engine.cache.parts[0].index.block_of) == 10  # the full group keeps all
+    frame = engine.telemetry.frame()
+    assert frame.group_blocks.iloc[0] == (10, 3)  # after the prompt: the window holds 3
+
+
+def test_a_retention_interval_is_a_multiple_of_the_block():
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
+            hybrid(prefix_cache_retention_interval=bad)
+    with pytest.raises(ValueError, match="needs cache='hybrid'"):
+        kvlab.EngineConfig(cache="paged", prefix_cache_retention_interval=16)
 
 
 def test_kv_events_name_the_group(tiny_qwen):

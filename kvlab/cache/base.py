@@ -148,6 +148,10 @@ class KVCache(ABC):
         """The sequence's block table in each KV cache group (one group but in hybrid)."""
         return [self.block_table(seq)]
 
+    def group_blocks(self) -> list[int]:
+        """Blocks each KV cache group's tables reference now (one group but in hybrid)."""
+        return [self.num_blocks - self.num_available]
+
     @abstractmethod
     def reserved_slots(self) -> int:
         """Token slots set aside for admitted sequences."""

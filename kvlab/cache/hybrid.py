@@ -49,11 +49,13 @@ class GroupTables(PagedCache):
     until the shared LRU evicts it."""
 
     def __init__(self, group: KVCacheGroup, pool: KVPool, block_size: int, max_model_len: int,
-                 poison_freed: bool, index, allocator: BlockAllocator):  # fmt: skip
+                 poison_freed: bool, index, allocator: BlockAllocator,
+                 interval: int | None = None):  # fmt: skip
         window = group.window
         retention = None if window is None else RETENTION["window"](block_size, 0, window - 1)
         super().__init__(pool, block_size, max_model_len, poison_freed, index, 0.0, retention)
         self.group = group
+        self.interval = interval  # prefix_cache_retention_interval, in tokens
         self.label = f"group {group.layers} (window {window})"
         self.sharing = PrefixSharing(
             index, block_size, allocator, self.sequences, gaps=window is not None
@@ -61,15 +63,28 @@ class GroupTables(PagedCache):
 
     def retain(self, seq: Sequence) -> None:
         """Drop the blocks the window left: each goes back to the shared allocator, cached
-        if indexed (vLLM frees a skipped block to its pool with its hash)."""
+        if indexed (vLLM frees a skipped block to its pool with its hash), unless a
+        retention interval keeps only the blocks a hit at one of its multiples reads."""
         table, freed = self.tables[seq.request_id], []
         for i in self.retention.drop(table, seq.num_computed):
             block, table[i] = table[i], DROPPED
-            if self.allocator.decref(block, keep_cached=self.sharing.indexed(block)):
+            cached = self.sharing.indexed(block)
+            if cached and not self.checkpoint(i) and self.allocator.ref_counts[block] == 1:
+                self.sharing.forget(block)
+                cached = False
+            if self.allocator.decref(block, keep_cached=cached):
                 freed.append(block)
             self.dropped_blocks += 1
         if self.poison_freed and freed:
             self.pool.poison(self.block_slots(freed))
+
+    def checkpoint(self, i: int) -> bool:
+        """Whether block i stays cached once dropped: always without a retention interval;
+        with one of `step` blocks, when a hit at the next multiple of `step` reads it."""
+        if self.interval is None:
+            return True
+        step = self.interval // self.block_size
+        return (i // step + 1) * step - self.group.blocks_needed(self.block_size) <= i
 
     def hit_table(self, keys: list[bytes], hit: int) -> list[int]:
         """The table a hit of `hit` blocks starts with: the cached blocks it reuses, a
@@ -118,10 +133,12 @@ class HybridCache(KVCache):
         watermark: float = 0.01,
         events=None,
         hash_options: dict | None = None,
+        retention_interval: int | None = None,
     ):
         """`groups`: the model's KV cache groups (kvlab.cache.groups.kv_cache_groups); the
         pool holds as many layers as the largest group. `prefix_caching`: None or "hash";
-        `events`: a sink for the indexes' KV events, each tagged with its group."""
+        `events`: a sink for the indexes' KV events, each tagged with its group;
+        `retention_interval`: EngineConfig.prefix_cache_retention_interval."""
         super().__init__(pool, block_size, max_model_len, poison_freed)
         self.groups = groups
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evict)
@@ -135,7 +152,8 @@ class HybridCache(KVCache):
                 poison_freed,
                 _index(prefix_caching, block_size, events, g, hash_options or {}),
                 self.allocator,
-            )  # fmt: skip
+                retention_interval,
+            )
             for g, group in enumerate(groups)
         ]
 
@@ -149,7 +167,8 @@ class HybridCache(KVCache):
             raise ValueError("KV events need prefix caching: set prefix_caching='hash'")
         options = {"algo": config.prefix_caching_hash_algo, "seed": config.prefix_caching_hash_seed}
         return cls(pool, config.block_size, max_model_len, groups, config.poison_freed,
-                   config.prefix_caching, config.watermark, events, options)  # fmt: skip
+                   config.prefix_caching, config.watermark, events, options,
+                   config.prefix_cache_retention_interval)  # fmt: skip
 
     @property
     def index(self):
@@ -172,12 +191,17 @@ class HybridCache(KVCache):
         if self.index is None or seq.num_computed:
             return 0, []
         keys = self.index.keys(seq.prompt_ids, seq.salt)
-        limit = (len(seq.prompt_ids) - 1) // self.block_size  # the last token always runs
+        limit = self._limit(seq, keys)
+        return cross_group_hit(self.groups, self._held(keys), limit, self.block_size), keys
+
+    def _held(self, keys: list[bytes]):
+        """cached(g, i): whether group g's index holds prompt block i."""
         indexes = [part.index.block_of for part in self.parts]
-        hit = cross_group_hit(
-            self.groups, lambda g, i: keys[i] in indexes[g], min(limit, len(keys)), self.block_size
-        )
-        return hit, keys
+        return lambda g, i: keys[i] in indexes[g]
+
+    def _limit(self, seq: Sequence, keys: list[bytes]) -> int:
+        """The most blocks a hit may take: the prompt's last token always runs."""
+        return min((len(seq.prompt_ids) - 1) // self.block_size, len(keys))
 
     def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> list[list[int]] | None:
         """Every group's first table (its hit), if their first step's blocks fit."""
@@ -198,10 +222,26 @@ class HybridCache(KVCache):
                     self.allocator.incref(block)
             part.tables[seq.request_id] = list(table)
             part.sequences[seq.request_id] = seq
-        seq.num_computed = seq.prefix_hit_tokens = hit
         if self.index is not None:
-            text = f"prefix cache: {hit} of {len(seq.prompt_ids)} prompt tokens hit in every group"
-            seq.notes.append(Note("prefix", "hit" if hit else "miss", text))
+            seq.notes.append(self._explain(seq, hit))
+        seq.num_computed = seq.prefix_hit_tokens = hit
+
+    def _explain(self, seq: Sequence, hit: int) -> Note:
+        """How much of the prompt hit, and what each group alone would have served: the
+        group that holds least is the one that set the hit."""
+        keys = self.index.keys(seq.prompt_ids, seq.salt)
+        held, limit, bs = self._held(keys), self._limit(seq, keys), self.block_size
+        alone = [
+            cross_group_hit([group], lambda _, i, g=g: held(g, i), limit, bs) * bs
+            for g, group in enumerate(self.groups)
+        ]
+        each = ", ".join(
+            f"{g} ({'full' if group.window is None else f'window {group.window}'}) {tokens}"
+            for g, (group, tokens) in enumerate(zip(self.groups, alone))
+        )
+        text = (f"prefix cache: {hit} of {len(seq.prompt_ids)} prompt tokens hit in every "
+                f"KV cache group; each group alone holds: {each}")  # fmt: skip
+        return Note("prefix", "hit" if hit else "miss", text)
 
     # --- growth, release, sharing ----------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

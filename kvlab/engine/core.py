@@ -170,6 +170,7 @@ class EngineCore(RequestAPI, Postprocess, BatchAPI):
             recomputed_tokens=s.recomputed_tokens,
             blocks_used=self.cache.num_blocks - self.cache.num_available,
             blocks_free=self.cache.num_available,
+            group_blocks=tuple(self.cache.group_blocks()),
             prefix_query_tokens=sum(len(seq.prompt_ids) for seq in batch.admitted),
             prefix_hit_tokens=sum(seq.prefix_hit_tokens for seq in batch.admitted),
             reserved_bytes=memory.reserved_bytes,

@@ -22,6 +22,7 @@ class StepRecord:
     recomputed_tokens: int  # cumulative tokens dropped by recompute preemption
     blocks_used: int  # physical blocks held by sequences (naive: regions)
     blocks_free: int  # free as vLLM counts: never used, or cached with no reference
+    group_blocks: tuple[int, ...]  # blocks each KV cache group holds (hybrid; else one)
     prefix_query_tokens: int  # prompt tokens admitted this step
     prefix_hit_tokens: int  # of those, served from the prefix cache
     reserved_bytes: int

@@ -1,8 +1,8 @@
 """A tenant audit of the engine's block tables: did any KV block pass between tenants?
 
 Counters say how many prompt tokens hit the prefix cache, not whose blocks they hit. The
-audit reads the block tables themselves, after every engine step (it wraps `step` on the
-engine loop's thread, so it sees every table a request ever had):
+audit reads the block tables themselves (every KV cache group's), after every engine step (an
+after_step observer on the engine loop's thread, so it sees every table a request ever had):
 
 - a block in the tables of two tenants' requests at once is a cross-tenant share;
 - a request admitted with prefix hits (its first ceil(hits / block_size) table entries
@@ -54,31 +54,33 @@ class TenantAudit:
 
     def check(self, engine: Engine) -> None:
         cache, size = engine.cache, engine.cache.block_size
+        tables = {rid: cache.group_tables(seq) for rid, seq in cache.sequences.items()}
         holders: dict[int, dict[int, str | None]] = {}  # block -> {request id: tenant}
-        for request_id, table in cache.tables.items():
+        for request_id, groups in tables.items():  # a table per KV cache group
             tenant = tenant_of(cache.sequences[request_id].salt)
-            for block in table:
+            for block in (b for table in groups for b in table):
                 if block >= 0:
                     holders.setdefault(block, {})[request_id] = tenant
-        for request_id in set(cache.tables) - self._present:  # admitted in this step
-            self._admitted(request_id, cache, size, holders)
+        for request_id in set(tables) - self._present:  # admitted in this step
+            self._admitted(request_id, cache.sequences[request_id], tables[request_id], size,
+                           holders)  # fmt: skip
         for block, tenants in holders.items():
             if len(set(tenants.values())) > 1:
                 self.cross_tenant_shares += 1
                 self.findings.append(f"step {self.steps}: block {block} held by {tenants}")
             self._last[block] = next(iter(tenants.values()))
-        self._present = set(cache.tables)
+        self._present = set(tables)
         self.steps += 1
 
-    def _admitted(self, request_id: int, cache, size: int, holders: dict) -> None:
-        """Check the hit blocks of a request (re)admitted in this step: their writer is
-        another request holding them now (the index hands out a block while its writer
-        computes it in the same step), or else their last holder."""
-        seq = cache.sequences[request_id]
+    def _admitted(self, request_id: int, seq, tables: list, size: int, holders: dict) -> None:
+        """Check the hit blocks of a request (re)admitted in this step (in each of its KV
+        cache groups' tables): their writer is another request holding them now (the
+        index hands out a block while its writer computes it in the same step), or else
+        their last holder."""
         tenant, hit = tenant_of(seq.salt), -(-seq.prefix_hit_tokens // size)
         self.admissions += 1
         self.hit_admissions += hit > 0
-        for block in (b for b in cache.tables[request_id][:hit] if b >= 0):
+        for block in (b for table in tables for b in table[:hit] if b >= 0):
             others = [t for r, t in holders[block].items() if r != request_id]
             writers = others or ([self._last[block]] if block in self._last else [])
             self.hit_blocks += bool(writers)
