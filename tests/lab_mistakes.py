@@ -23,6 +23,7 @@ from kvlab.labs import (
     allocator,
     capstone,
     hashing,
+    hybrid_hit,
     int8,
     kv_cache,
     kvlab_block_keys,
@@ -752,6 +753,99 @@ class LeaksAFreedBlock(BlockAllocator):
         return freed
 
 
+# --- lab 11: the cross-group prefix hit (each a whole answer: it has no class to change) ----
+def min_of_each_groups_hit(groups, cached, num_blocks, block_size):
+    hits = []
+    for g, group in enumerate(groups):  # each group's own longest hit; the hit is the shortest
+        if group.window is None:
+            hits.append(next((i for i in range(num_blocks) if not cached(g, i)), num_blocks))
+            continue
+        need, h = ceil_div(group.window - 1, block_size), num_blocks
+        while h > 0:
+            lacking = [i for i in range(max(0, h - need), h) if not cached(g, i)]
+            if not lacking:
+                break
+            h = lacking[-1]
+        hits.append(h)
+    return min(hits)
+
+
+def one_pass_over_the_windows(groups, cached, num_blocks, block_size):
+    hit = num_blocks
+    for g, group in enumerate(groups):
+        if group.window is None:
+            hit = next((i for i in range(hit) if not cached(g, i)), hit)
+    for g, group in enumerate(groups):  # each window once: a later move is never checked
+        if group.window is not None:
+            need = ceil_div(group.window - 1, block_size)
+            while hit > 0:
+                lacking = [i for i in range(max(0, hit - need), hit) if not cached(g, i)]
+                if not lacking:
+                    break
+                hit = lacking[-1]
+    return hit
+
+
+def needs_whole_window_blocks(groups, cached, num_blocks, block_size):
+    hit = num_blocks
+    for g, group in enumerate(groups):
+        if group.window is None:
+            hit = next((i for i in range(hit) if not cached(g, i)), hit)
+    moved = True
+    while moved:
+        moved = False
+        for g, group in enumerate(groups):
+            if group.window is not None:
+                need, h = ceil_div(group.window, block_size), hit  # W tokens, not W - 1
+                while h > 0:
+                    lacking = [i for i in range(max(0, h - need), h) if not cached(g, i)]
+                    if not lacking:
+                        break
+                    h = lacking[-1]
+                moved, hit = moved or h != hit, h
+    return hit
+
+
+def scans_windows_left_to_right(groups, cached, num_blocks, block_size):
+    hit = num_blocks
+    for g, group in enumerate(groups):
+        if group.window is None:
+            hit = next((i for i in range(hit) if not cached(g, i)), hit)
+    moved = True
+    while moved:
+        moved = False
+        for g, group in enumerate(groups):
+            if group.window is not None:
+                need, h = ceil_div(group.window - 1, block_size), 0
+                while h < hit and all(cached(g, i) for i in range(max(0, h + 1 - need), h + 1)):
+                    h += 1  # grows the hit from the left while the window serves it
+                moved, hit = moved or h != hit, h
+    return hit
+
+
+def asks_past_the_bound(groups, cached, num_blocks, block_size):
+    hit = num_blocks
+    for g, group in enumerate(groups):
+        if group.window is None:
+            h = 0
+            while cached(g, h):  # the group's run of held blocks, cut to the bound after
+                h += 1
+            hit = min(hit, h)
+    moved = True
+    while moved:
+        moved = False
+        for g, group in enumerate(groups):
+            if group.window is not None:
+                need, h = ceil_div(group.window - 1, block_size), hit
+                while h > 0:
+                    lacking = [i for i in range(max(0, h - need), h) if not cached(g, i)]
+                    if not lacking:
+                        break
+                    h = lacking[-1]
+                moved, hit = moved or h != hit, h
+    return hit
+
+
 # --- the table ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mistake:
@@ -777,8 +871,9 @@ LAB_NAMES = (  # every lab, in order: the tests check the folders and workflow a
     "08_reading_metrics",
     "09_precise_scorer",
     "10_capstone",
+    "11_hybrid_hit",
 )
-L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10 = LAB_NAMES
+L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11 = LAB_NAMES
 MISTAKES = [
     Mistake(L0, NoCausalMask, kv_cache.CAUSAL, ["appended after it", "-inf"]),
     Mistake(L0, CausalFromTheTopLeft, kv_cache.ATTENDS, ["is_causal=True", "top-left"]),
@@ -867,6 +962,21 @@ MISTAKES = [
     Mistake(L10, ignores_salt, capstone.CONSISTENT, ["shared across salts", "'tenant-x'"]),
     Mistake(L10, EvictsMostRecentlyUsed, capstone.HITS, ["least recently used cached one"]),
     Mistake(L10, highest_priority, capstone.PREEMPTIONS, ["your choose_victim chose", "(lab 4)"]),
+    Mistake(
+        L11,
+        min_of_each_groups_hit,
+        hybrid_hit.WINDOW,
+        ["group 1 serves a hit of 6 blocks but not one of 4", "ask every window again"],
+    ),
+    Mistake(
+        L11,
+        one_pass_over_the_windows,
+        hybrid_hit.WINDOW,
+        ["group 0 (window 32) lacks block 3", "until none moves it"],
+    ),
+    Mistake(L11, needs_whole_window_blocks, hybrid_hit.LONGEST, ["ceil(16 / 16) = 1 block"]),
+    Mistake(L11, scans_windows_left_to_right, hybrid_hit.LONGEST, ["from the hit's end leftwards"]),
+    Mistake(L11, asks_past_the_bound, hybrid_hit.ASKS, ["asked cached(0, 6)"]),
 ]
 
 
@@ -887,6 +997,7 @@ BINDINGS = {
     L8: "parse_metrics, hit_rate, preemptions = {answer}",
     L9: "LabScorer = {name}",
     L10: "make_allocator, block_keys, choose_victim = {answer}",
+    L11: "cross_group_hit = {name}",
 }
 L8_ROLES = (
     "parse_",

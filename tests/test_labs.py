@@ -22,7 +22,10 @@ from lab_mistakes import (
     frees_shared_blocks,
     ignores_parent,
     ignores_salt,
+    min_of_each_groups_hit,
+    one_pass_over_the_windows,
     rounds_sinks_down,
+    scans_windows_left_to_right,
 )
 from lab_mistakes import dequantize as right_dequantize
 from lab_mistakes import truncates as truncating_quantize
@@ -41,6 +44,7 @@ from kvlab.labs import (
     check_block_allocator,
     check_block_hash,
     check_capstone,
+    check_cross_group_hit,
     check_int8_codec,
     check_kv_cache,
     check_metrics_reading,
@@ -49,9 +53,11 @@ from kvlab.labs import (
     check_tier_lru,
     check_victim_choice,
     check_window_release,
+    hybrid_hit,
     kv_cache,
     kv_inputs,
     kvlab_block_keys,
+    kvlab_cross_group_hit,
     kvlab_dequantize,
     kvlab_hit_rate,
     kvlab_parse,
@@ -110,6 +116,7 @@ GRADERS = {  # each lab's grader, called on a lab answer (a tuple of the names i
     "08_reading_metrics": check_metrics_reading,
     "09_precise_scorer": check_precise_scorer,
     "10_capstone": check_capstone_tiny,
+    "11_hybrid_hit": check_cross_group_hit,
 }
 KVLAB_PARTS = {  # the library's own parts: the graders' references
     "00_kv_cache": (KvlabKVCache,),
@@ -123,6 +130,7 @@ KVLAB_PARTS = {  # the library's own parts: the graders' references
     "08_reading_metrics": (kvlab_parse, kvlab_hit_rate, kvlab_preemptions),
     "09_precise_scorer": (KvlabScorer,),
     "10_capstone": (BlockAllocator, kvlab_block_keys, choose_victim),
+    "11_hybrid_hit": (kvlab_cross_group_hit,),
 }
 
 
@@ -173,6 +181,9 @@ def test_graders_reject_known_wrong_answers_naming_the_broken_invariant(mistake)
     if mistake.lab == "07_tier_lru":
         assert example.startswith(f"tier = {mistake.name}(")  # runnable, and short
         assert len(example.splitlines()) <= 8
+    if mistake.lab == "11_hybrid_hit":  # the groups, what they hold, the call
+        assert f"{mistake.name}(groups, lambda g, i: i in held[g], " in example
+        assert example.startswith("groups = groups_of(") and len(example.splitlines()) == 3
     if mistake.lab == "10_capstone":  # the requests, then the call serving only those
         last = example.splitlines()[-1]
         assert last.startswith("check_capstone(make_allocator, block_keys, choose_victim, ")
@@ -387,6 +398,26 @@ def test_the_capstone_workload_shares_evicts_preempts_and_keeps_tenants_apart():
     assert [f.check for f in result.failures] == ["prefix-cache hits per request equal kvlab's"]
 
 
+def test_the_cross_group_hit_reference_is_the_longest_hit_every_group_serves():
+    # kvlab's rule (full groups from the left, windows from the right, until none moves the
+    # hit) equals trying every length, on the grader's random cases and its named ones
+    cases = [hybrid_hit.random_case(c) for c in hybrid_hit._random_cases(300, 31)]
+    cases += [c for named in hybrid_hit.NAMED.values() for c in named]
+    assert all(hybrid_hit.kvlab_hit(c) == c.longest() for c in cases)
+    assert {hybrid_hit.kvlab_hit(c) for c in cases} >= set(range(8))
+
+
+def test_the_engine_serves_the_hit_kvlabs_rule_gives_and_the_checks_catch_wrong_rules():
+    probes = hybrid_hit.engine_probes(0)  # SmolLM2 with cache="hybrid", 6 KV cache groups
+    assert [p.case.windows for p in probes] == [(None, 32, 32, 32, 32, 32)] * len(probes)
+    served = [p.hit_tokens for p in probes]
+    assert served == [16 * hybrid_hit.kvlab_hit(p.case) for p in probes]
+    assert served[:2] == [96, 80] and len(set(served)) >= 4  # evictions move the hit left
+    engine = "the hit kvlab's engine serves"
+    for wrong in (min_of_each_groups_hit, one_pass_over_the_windows, scans_windows_left_to_right):
+        assert engine in {f.check for f in check_cross_group_hit(wrong, verbose=False).failures}
+
+
 # --- grading behaviour ----------------------------------------------------------------------
 def oldest_admitted(running):
     return max(running, key=lambda s: (-s.priority, -s.admit_order))
@@ -448,7 +479,7 @@ def _run_cells(nb: nbformat.NotebookNode, name: str) -> tuple[dict, dict[str, Ba
     return namespace, raised
 
 
-def test_there_are_eleven_labs_each_one_source_and_its_student_version():
+def test_there_are_twelve_labs_each_one_source_and_its_student_version():
     assert student.lab_names() == NAMES
     for name in NAMES:
         for suffix in (".ipynb", ".py"):
@@ -601,6 +632,17 @@ def _recording(record: dict, fn, key):
             kvlab_release,
             rounds_sinks_down,
             lambda table, *rest: (tuple(table), *rest),
+        ),
+        (
+            "11_hybrid_hit",
+            kvlab_cross_group_hit,
+            min_of_each_groups_hit,
+            lambda groups, cached, n, bs: (
+                tuple(groups),
+                n,
+                bs,
+                tuple(cached(g, i) for g in range(len(groups)) for i in range(n)),
+            ),
         ),
     ],
 )

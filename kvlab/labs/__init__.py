@@ -16,8 +16,11 @@ model through the learner's cache, `run_model_with_cache`), `BlockAllocator`,
 speculative rollback `KVCache.rewind` with `BlockAllocator.decref` (`kvlab_rollback`) and
 the retention policies "window" and "sinks" (`kvlab_release`) and the host tier
 `HostTier` (`KvlabHostTier`), kvlab's router index `kvlab.route.index.BlockIndex`
-(`KvlabScorer`); the /metrics lab reads pages kvlab's server metrics render
+(`KvlabScorer`), the hybrid cache's `kvlab.cache.groups.cross_group_hit`
+(`kvlab_cross_group_hit`); the /metrics lab reads pages kvlab's server metrics render
 (`kvlab_parse`: prometheus_client's parser, `kvlab_hit_rate`, `kvlab_preemptions`). The
+cross-group hit's last check serves the real model in kvlab's engine with `cache="hybrid"`
+and compares the learner's hit with the engine's (`kvlab.labs.hybrid_hit.engine_probes`). The
 capstone (`check_capstone`) plugs the parts of labs 1, 2 and 4 into kvlab's engine
 (`kvlab.labs.capstone.plug_in`) and serves the real model: its reference is the same engine
 with kvlab's own parts, whose greedy tokens it checks against HF transformers. The labs
@@ -29,6 +32,7 @@ from kvlab.labs.allocator import check_block_allocator
 from kvlab.labs.capstone import check_capstone
 from kvlab.labs.grading import Failure, LabFailure, LabResult
 from kvlab.labs.hashing import check_block_hash, kvlab_block_keys
+from kvlab.labs.hybrid_hit import check_cross_group_hit, groups_of, kvlab_cross_group_hit
 from kvlab.labs.int8 import check_int8_codec, kvlab_dequantize, kvlab_quantize
 from kvlab.labs.kv_cache import (
     KvlabKVCache,
@@ -57,6 +61,7 @@ __all__ = [
     "check_block_allocator",
     "check_block_hash",
     "check_capstone",
+    "check_cross_group_hit",
     "check_int8_codec",
     "check_kv_cache",
     "check_metrics_reading",
@@ -66,9 +71,11 @@ __all__ = [
     "check_victim_choice",
     "check_window_release",
     "kvlab_block_keys",
+    "kvlab_cross_group_hit",
     "example_pages",
     "generate_with_cache",
     "generate_without_cache",
+    "groups_of",
     "kv_inputs",
     "kvlab_dequantize",
     "kvlab_hit_rate",
