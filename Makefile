@@ -51,7 +51,8 @@ NOTEBOOKS ?= notebooks/01_why_a_kv_cache.ipynb notebooks/02_paged_vs_naive.ipynb
 	notebooks/08_capacity_planner.ipynb notebooks/09_speculative_decoding.ipynb \
 	notebooks/10_kv_tiers.ipynb notebooks/11_long_context.ipynb \
 	notebooks/12_past_one_device.ipynb notebooks/13_isolation.ipynb \
-	notebooks/14_many_replicas.ipynb notebooks/15_same_answer.ipynb notebooks/labs/source
+	notebooks/14_many_replicas.ipynb notebooks/15_same_answer.ipynb \
+	notebooks/16_hybrid_models.ipynb notebooks/labs/source
 
 .PHONY: setup lab test test-fast lint browser peers bench notebook-times clean labs grading \
 	test-grading docs lock
