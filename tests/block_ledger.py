@@ -2,17 +2,23 @@
 
 The ledger watches the pool's operations (`write` at layer 0, `copy`, `read`, `restore`,
 `discard`, `poison`) and the engine's forward, and records for every slot the *identity*
-of the K/V written there: the salt and the token prefix up to and including that token
-(a token's K/V depends on every token before it). A prefix is named by an interned id
-(`Prefixes`), so identities compare in O(1). Swap-out copies, tier saves and tier loads
-carry identities along with the stored codes.
+of the K/V written there: the KV cache group whose layers wrote it (0 but in a hybrid
+cache, kvlab.cache.hybrid: a group's first layer writes pool layer 0), the salt and the
+token prefix up to and including that token (a token's K/V depends on every token before
+it). A prefix is named by an interned id (`Prefixes`), so identities compare in O(1).
+Swap-out copies, tier saves and tier loads carry identities along with the stored codes.
 
-`check()` then compares the ledger with what the engine believes:
+`check()` then compares the ledger with what the engine believes, in every KV cache
+group (one but in a hybrid cache):
 - every computed position of every running sequence's table holds that sequence's own
-  prefix (so a prefix hit never lands on a block holding other tokens);
+  prefix, written by that group's layers (so a prefix hit never lands on a block holding
+  other tokens, or another group's K/V);
 - every block the prefix index names holds the prefix its entry names, and that prefix
   is verified (prompt and emitted tokens: never a drafted token);
-- no table holds a block past its computed tokens (a speculative rollback returns them).
+- no table holds a block past its computed tokens (a speculative rollback returns them);
+- a hybrid cache's block is in one group's tables and index at most, a full group drops
+  nothing, and a sliding group of W tokens drops block i only once its window no longer
+  reaches it: (i + 1) * block_size <= num_computed - W + 1.
 """
 
 from __future__ import annotations
@@ -68,11 +74,13 @@ class Prefixes:
             pid = self.nodes[pid][1]
         return ids[::-1]
 
-    def describe(self, pid: int | None) -> str:
-        if pid is None:
+    def describe(self, held: tuple[int, int] | None) -> str:
+        """What a slot holds: (group, prefix id), or None."""
+        if held is None:
             return "nothing known (never written, poisoned or rolled back)"
+        group, pid = held
         salt, _, token, length = self.nodes[pid]
-        return f"token {token} after {length - 1} tokens (salt {salt!r})"
+        return f"token {token} after {length - 1} tokens (salt {salt!r}, group {group})"
 
 
 class BlockLedger:
@@ -81,14 +89,18 @@ class BlockLedger:
     def __init__(self, engine):
         self.engine = engine
         self.prefixes = Prefixes()
-        self.slots: dict[int, int | None] = {}  # slot -> prefix id (None: unknown)
-        self.stored: dict[int, tuple] = {}  # id(StoredKV) -> prefix ids, in slot order
-        self.keyed: dict[bytes, tuple] = {}  # tier key -> prefix ids saved under it
+        self.slots: dict[int, tuple | None] = {}  # slot -> (group, prefix id) (None: unknown)
+        self.stored: dict[int, tuple] = {}  # id(StoredKV) -> what its slots held, in order
+        self.keyed: dict[bytes, tuple] = {}  # tier key -> what its block's slots held
         self.verified: set[int] = set()  # prefix ids of verified tokens
         self.chains: dict[int, list[int]] = {}  # request id -> ids of its verified tokens
         self.names: dict[bytes, int] = {}  # hash key of a verified full block -> prefix id
         self._pending: list[int] | None = None  # the forward's rows' ids, in order
         self._layer_read: tuple = ()
+        # The groups whose layers write pool layer 0, in the order a forward runs them
+        layers = getattr(engine.runner, "kv_layers", [(0, 0)])
+        self._writers = [group for group, pool_layer in layers if pool_layer == 0]
+        self._writes = 0  # layer-0 writes of this forward so far
         self._wrap(engine)
 
     # --- watching ----------------------------------------------------------------------
@@ -96,7 +108,7 @@ class BlockLedger:
         pool, forward = engine.cache.pool, engine._compute
 
         def forward_rows(batch):
-            self._pending = self._rows(batch)
+            self._pending, self._writes = self._rows(batch), 0
             try:
                 return forward(batch)
             finally:
@@ -160,11 +172,13 @@ class BlockLedger:
         if layer != 0:
             return
         slots = slots.tolist()
+        group = self._writers[self._writes % len(self._writers)]
+        self._writes += 1
         ids = [None] * len(slots) if self._pending is None else self._pending  # None: a
         # draft model's own forward (speculation "layers"), overwritten by the target's
         require(len(ids) == len(slots), "ledger: a forward wrote other rows than it ran")
         for slot, pid in zip(slots, ids):
-            self.slots[slot] = pid
+            self.slots[slot] = None if pid is None else (group, pid)
 
     def _copy(self, source, target, result=None) -> None:
         for s, t in zip(source.tolist(), target.tolist()):
@@ -230,35 +244,75 @@ class BlockLedger:
             self.names.setdefault(key, chain[(i + 1) * bs])
 
     def check(self) -> None:
-        """Raise IntegrityError if a table or the prefix index disagrees with the ledger."""
+        """Raise IntegrityError if a table or a prefix index disagrees with the ledger."""
         engine = self.engine
         cache, s = engine.cache, engine.scheduler
         for seq in s.waiting + s.swapped:
             self.chain(seq)
-        bs = cache.block_size
+        windows = _windows(cache)
+        owner: dict[int, int] = {}  # block -> the group whose tables or index hold it
         for seq in s.running:
-            chain = self.chain(seq)
-            table = cache.block_table(seq)
-            require(
-                cache.name != "paged" or len(table) * bs < seq.num_computed + bs,
-                f"ledger: request {seq.request_id} holds a block past its {seq.num_computed} "
-                f"computed tokens ({len(table)} blocks of {bs})",
-            )
-            for p in range(seq.num_computed):
-                block = table[p // bs]
-                if block == DROPPED:
-                    continue
-                slot = block * bs + p % bs
-                require(
-                    self.slots.get(slot) == chain[p],
-                    f"ledger: position {p} of request {seq.request_id} is in slot {slot}, "
-                    f"which holds {self.prefixes.describe(self.slots.get(slot))}, not its "
-                    f"own token {seq.token_ids[p]} after {p} tokens",
-                )
-        index = getattr(cache, "index", None)
-        if index is not None:
+            for g, table in enumerate(cache.group_tables(seq)):
+                self._check_table(cache, seq, g, table)
+                if windows is not None:
+                    self._check_drops(cache, seq, g, table, windows[g])
+                self._claim(owner, g, table, f"request {seq.request_id}'s table")
+        for g, index in enumerate(_indexes(cache)):
+            if index is None:
+                continue
             for block, pid in self._indexed(index):
-                self._check_indexed(cache, block, pid)
+                self._check_indexed(cache, g, block, pid)
+                self._claim(owner, g, [block], "prefix index")
+
+    def _check_table(self, cache, seq, g: int, table: list[int]) -> None:
+        """Every computed position of `seq` in group g's table holds its own token, written
+        by that group; the table ends with its computed tokens."""
+        chain, bs = self.chain(seq), cache.block_size
+        require(
+            cache.name == "naive" or len(table) * bs < seq.num_computed + bs,
+            f"ledger: request {seq.request_id} holds a block past its {seq.num_computed} "
+            f"computed tokens ({len(table)} blocks of {bs}, group {g})",
+        )
+        for p in range(seq.num_computed):
+            block = table[p // bs]
+            if block == DROPPED:
+                continue
+            slot = block * bs + p % bs
+            require(
+                self.slots.get(slot) == (g, chain[p]),
+                f"ledger: position {p} of request {seq.request_id} is in slot {slot} (group "
+                f"{g}), which holds {self.prefixes.describe(self.slots.get(slot))}, not its "
+                f"own token {seq.token_ids[p]} after {p} tokens",
+            )
+
+    @staticmethod
+    def _check_drops(cache, seq, g: int, table: list[int], window: int | None) -> None:
+        """A full group (window None) drops nothing; a sliding group drops block i only
+        once its window of W tokens no longer reaches it: the next query, at position
+        num_computed, reads from num_computed - W + 1 on."""
+        bs, rid = cache.block_size, seq.request_id
+        for i, block in enumerate(table):
+            if block != DROPPED:
+                continue
+            require(
+                window is not None,
+                f"ledger: full-attention group {g} dropped block {i} of request {rid}",
+            )
+            require(
+                (i + 1) * bs <= seq.num_computed - window + 1,
+                f"ledger: group {g} (window {window}) dropped block {i} of request {rid}, "
+                f"which its window still reaches ({seq.num_computed} computed tokens, "
+                f"blocks of {bs})",
+            )
+
+    @staticmethod
+    def _claim(owner: dict[int, int], g: int, blocks: list[int], where: str) -> None:
+        """Record that group g holds `blocks`; no block is held by two groups at once."""
+        for block in blocks:
+            if block != DROPPED:
+                held = owner.setdefault(block, g)
+                require(held == g, f"ledger: block {block} is in group {held}'s tables or "
+                                   f"index and in group {g}'s {where}")  # fmt: skip
 
     def _indexed(self, index) -> list[tuple[int, int]]:
         """(block, prefix id of its last token) for every block the index names."""
@@ -296,14 +350,26 @@ class BlockLedger:
                 return n
         return 0
 
-    def _check_indexed(self, cache, block: int, pid: int) -> None:
+    def _check_indexed(self, cache, g: int, block: int, pid: int) -> None:
         bs = cache.block_size
         length = self.prefixes.nodes[pid][3]
         ids = self.prefixes.tail(pid, length - (length - 1) // bs * bs)
         for offset, want in enumerate(ids):
             slot = block * bs + offset
             require(
-                self.slots.get(slot) == want,
-                f"ledger: indexed block {block} slot {offset} holds "
+                self.slots.get(slot) == (g, want),
+                f"ledger: block {block} of group {g}'s index, slot {offset}, holds "
                 f"{self.prefixes.describe(self.slots.get(slot))}, not the token its entry names",
             )
+
+
+def _windows(cache) -> list[int | None] | None:
+    """Each KV cache group's window (None: full attention), or None where the cache has no
+    groups (a retention policy decides what a paged cache drops: the fuzz checks it)."""
+    return None if cache.groups is None else [group.window for group in cache.groups]
+
+
+def _indexes(cache) -> list:
+    """Each KV cache group's prefix index (None: no prefix caching)."""
+    parts = cache.parts if cache.groups is not None else [cache]
+    return [getattr(part, "index", None) for part in parts]

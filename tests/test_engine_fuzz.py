@@ -3,16 +3,19 @@ cancellations, sessions and bad input, on engine configs that draw every EngineC
 field together (speculation with every codec, n > 1, swap and recompute, chunked prefill
 in both orders, prefix caching with kvlab's or vLLM's block hashes, tiers with sessions
 and TTLs, retention policies, sliding-window layers, the kernels path, tensor parallel,
-batch-invariant mode),
+batch-invariant mode, the hybrid cache's KV cache groups with what it accepts),
 must leave the engine consistent. PriorityMachine draws requests of mixed priorities
-(n > 1 among them) in bursts, on small pools with chunked prefill and small step budgets.
+(n > 1 among them) in bursts, on small pools with chunked prefill and small step budgets;
+HybridMachine draws only hybrid caches (with and without sliding groups).
 
 After every rule:
 - `check_integrity()`, the telemetry consistent, no stall while work is queued;
-- the block ledger (tests/block_ledger.py) agrees with the engine: every computed
-  position of every running table holds its own sequence's token, every block the prefix
-  index names holds the prefix it names and no drafted token is ever indexed, no table
-  holds a block past its computed tokens;
+- the block ledger (tests/block_ledger.py) agrees with the engine, in every KV cache
+  group: every computed position of every running table holds its own sequence's token,
+  every block the prefix index names holds the prefix it names and no drafted token is
+  ever indexed, no table holds a block past its computed tokens; a hybrid cache's block
+  is in one group's tables and index at most, and only a sliding group drops, only
+  blocks its window no longer reaches;
 - a retention policy kept no block its rule drops;
 - after `end_session` (or its TTL), nothing of the session is left cached on the device
   or in any tier, forks included, but what other requests share.
@@ -75,26 +78,35 @@ def speculative(draw, always: bool = False) -> dict | None:
     return config
 
 
-FOCUS = (None, "swap", "speculation", "tiers", "window", "priority")  # what a draw must include
+FOCUS = (None, "swap", "speculation", "tiers", "window", "priority", "hybrid")  # a draw has it
 ORDERS = ["prefill-first", "decode-first"]
 PATTERNS = ["window=8,full", "full,window=24", "window=4"]  # the tiny model has 2 layers
+# What a draw picks from, without and with the hybrid cache (which refuses the rest)
+PREEMPTIONS = {False: ["swap", "recompute"], True: ["recompute"]}
+PREFIX_CACHING = {False: [None, "hash", "hash", "radix"], True: [None, "hash", "hash"]}
+ADMISSIONS = ["reserve", "watermark"]
 
 
 @st.composite
 def engine_configs(draw, focus: str | None = None) -> dict:
     """An engine config drawing every EngineConfig field. `focus` makes one feature
     certain (the mutation tests: swapping under pressure, speculation, tiers with
-    sessions, a sliding window; "priority": chunked prefill, prefill-first, with a step
-    budget of 8 to 16 tokens, on a pool that must preempt and admits to its last block
-    (watermark 0), for PriorityMachine)."""
+    sessions, a sliding window, the hybrid cache; "priority": chunked prefill,
+    prefill-first, with a step budget of 8 to 16 tokens, on a pool that must preempt and
+    admits to its last block (watermark 0), for PriorityMachine). A hybrid cache draws
+    only what it accepts: recompute, watermark admission, no prefix caching or "hash",
+    full retention, no tiers, speculation, tensor parallelism or batch-invariant mode."""
     codecs = [None, *CODECS.names()]
     kv_codec = draw(st.sampled_from(codecs if focus != "tiers" else [None, *codecs]))
     aligned = kv_codec == "kivi2"  # groups of 16 tokens: blocks must be multiples of 16
     pressured = focus in ("swap", "tiers", "priority") or draw(st.booleans())  # must preempt
     priority = focus == "priority"
     paged = pressured or focus is not None or draw(st.booleans())
+    hybrid = focus == "hybrid" or (
+        paged and focus in (None, "priority") and draw(st.integers(0, 3)) == 0
+    )
     config = dict(
-        cache="paged" if paged else "naive",
+        cache="hybrid" if hybrid else "paged" if paged else "naive",
         kv_codec=kv_codec,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=draw(st.sampled_from([1, 3, 4, 8])),
@@ -104,11 +116,11 @@ def engine_configs(draw, focus: str | None = None) -> dict:
         chunked_prefill=priority or draw(st.booleans()),
         schedule_order="prefill-first" if priority else draw(st.sampled_from(ORDERS)),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
-        preemption="swap" if focus == "swap" else draw(st.sampled_from(["swap", "recompute"])),
+        preemption="swap" if focus == "swap" else draw(st.sampled_from(PREEMPTIONS[hybrid])),
         attention="torch" if priority else draw(st.sampled_from(["torch", "torch", "kernels"])),
         poison_freed=draw(st.booleans()),
         record_block_map=draw(st.booleans()),
-        speculative=draw(speculative(always=focus == "speculation")),
+        speculative=None if hybrid else draw(speculative(always=focus == "speculation")),
         session_ttl_s=draw(st.sampled_from([None, None, 0.05, 0.3])),
     )
     if not paged:
@@ -116,11 +128,11 @@ def engine_configs(draw, focus: str | None = None) -> dict:
         return _tensor_parallel(draw, config)
     sizes = [1, 2] if focus == "speculation" else [1, 2, 4, 8, 16]  # drafts cross blocks
     block_size = draw(st.sampled_from([16, 32] if aligned else sizes))
-    prefix = "hash" if focus == "tiers" else draw(st.sampled_from([None, "hash", "hash", "radix"]))
+    prefix = "hash" if focus == "tiers" else draw(st.sampled_from(PREFIX_CACHING[hybrid]))
     config.update(
         block_size=block_size,
         prefix_caching=prefix,
-        admission="watermark" if pressured else draw(st.sampled_from(["reserve", "watermark"])),
+        admission="watermark" if pressured or hybrid else draw(st.sampled_from(ADMISSIONS)),
         watermark=0.0 if priority else draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])),
         # From a few blocks (most requests rejected, the rest preempt each other) to
         # room for several requests at once.
@@ -129,27 +141,32 @@ def engine_configs(draw, focus: str | None = None) -> dict:
     if pressured:
         config.update(kv_budget_tokens=max(block_size, draw(st.sampled_from([96, 128, 160]))),
                       max_num_seqs=8)  # fmt: skip
-    retention = {"window": "window", None: None}.get(focus, "full")
+    retention = "full" if hybrid else {"window": "window", None: None}.get(focus, "full")
     retention = retention or draw(st.sampled_from(["full"] * 3 + ["window", "sinks", "h2o"]))
     if retention != "full":  # outputs then differ from the oracle: checked for consistency
         config.update(retention=retention, preemption="recompute", attention="torch",
                       speculative=None, retention_window=draw(st.sampled_from([1, 8, 24])),
                       retention_sinks=draw(st.sampled_from([0, 4, 16])),
                       retention_heavy=draw(st.sampled_from([0, 8, 32])))  # fmt: skip
-    elif prefix == "hash" and (focus == "tiers" or draw(st.integers(0, 2))):
+    elif prefix == "hash" and not hybrid and (focus == "tiers" or draw(st.integers(0, 2))):
         config["tiers"] = draw(tier_configs())
     if prefix == "hash" and draw(st.integers(0, 2)) == 0:  # vLLM's block hashes
         config.update(prefix_caching_hash_algo="sha256_cbor",
                       prefix_caching_hash_seed=draw(st.sampled_from([None, "0", "7"])))  # fmt: skip
-    return _pattern(draw, _tensor_parallel(draw, config))
+    if hybrid:  # a window keeps cached only what hits at multiples of the interval read
+        config["prefix_cache_retention_interval"] = draw(
+            st.sampled_from([None, None, block_size, 2 * block_size, 4 * block_size]))  # fmt: skip
+    return _pattern(draw, config if hybrid else _tensor_parallel(draw, config))
 
 
 def _pattern(draw, config: dict) -> dict:
     """Now and then sliding-window layers (kvlab.model.pattern), where the config allows
-    them: one rank, full retention, not batch-invariant."""
+    them: one rank, full retention, not batch-invariant. A hybrid cache draws them more
+    often (its sliding groups drop blocks), and every layer full (one group) too."""
     allowed = "retention" not in config and "tensor_parallel_size" not in config
     if allowed and "batch_invariant" not in config:
-        config["attention_pattern"] = draw(st.sampled_from([None, None, None, *PATTERNS]))
+        full = [None] * (1 if config["cache"] == "hybrid" else 3)
+        config["attention_pattern"] = draw(st.sampled_from([*full, *PATTERNS]))
     return config
 
 
@@ -285,6 +302,9 @@ class EngineMachine(RuleBasedStateMachine):
                 ("batch-invariant", c.batch_invariant),
                 ("sha256_cbor", c.prefix_caching_hash_algo == "sha256_cbor"),
                 ("pattern", c.attention_pattern is not None),
+                ("hybrid", c.cache == "hybrid"),
+                ("hybrid windows", c.cache == "hybrid" and c.attention_pattern is not None),
+                ("hybrid hash", c.cache == "hybrid" and c.prefix_caching is not None),
             )
             if on
         ]
@@ -361,7 +381,7 @@ class EngineMachine(RuleBasedStateMachine):
     def cancel_unknown(self, request_id):
         assert not self.engine.cancel(request_id)
 
-    @precondition(lambda self: self.engine.config.cache == "paged")
+    @precondition(lambda self: self.engine.cache.forks)
     @rule(data=st.data())
     def cancel_a_fork(self, data):
         forks = [s for s in self.engine.scheduler.running if s.parent_id is not None]
@@ -434,17 +454,18 @@ class EngineMachine(RuleBasedStateMachine):
         incarnation = self.incarnation[session]
         self.incarnation[session] += 1
         mine = {rid for rid, s in self.session_of.items() if s == (session, incarnation)}
-        keyer = HashPrefixIndex(self.engine.cache.block_size)
+        keyer = HashPrefixIndex.from_config(self.engine.config)  # the engine's hashes
         ours, theirs = set(), set()
         for rid, salt, tokens in self._token_lists():
             keys = keyer.keys(tokens, salt)
             (ours if rid in mine else theirs).update(keys)
         left = ours - theirs
         cache = self.engine.cache
-        block_of = getattr(getattr(cache, "index", None), "block_of", None)
-        if block_of is not None:
-            cached = {block_of.get(k) for k in left} & set(cache.allocator.cached)
-            assert not cached, f"session {session} ended, yet blocks {cached} stay cached"
+        for part in cache.parts if cache.groups is not None else [cache]:  # each group's
+            block_of = getattr(getattr(part, "index", None), "block_of", None)
+            if block_of is not None:
+                cached = {block_of.get(k) for k in left} & set(cache.allocator.cached)
+                assert not cached, f"session {session} ended, yet blocks {cached} stay cached"
         for tier in cache.connector.stack.tiers if getattr(cache, "connector", None) else []:
             held = [k for k in left if k in tier]
             assert not held, f"session {session} ended, yet the {tier.name} tier holds {held}"
@@ -505,13 +526,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _check_outputs(self, engine):
         assert {o.request_id for o in engine.finished} == set(self.submitted)
-        c = self.counts
+        c, cache = self.counts, engine.cache
         c["finished"] += len(engine.finished)
         c["preempted"] += engine.scheduler.preemptions
         c["swapped"] += engine.scheduler.swapped_bytes > 0
         c["prefix hits"] += sum(o.metrics.prefix_hit_tokens > 0 for o in engine.finished)
         c["forks"] += sum(len(o.samples) > 1 for o in engine.finished)
         c["sessions"] += len({s for s, _ in self.session_of.values()})
+        if cache.groups is not None:
+            c["hybrid preempted"] += engine.scheduler.preemptions
+            c["window drops"] += sum(part.dropped_blocks for part in cache.parts)
         if engine.speculator:
             c["drafted"] += engine.spec_stats()["drafted"]
             c["accepted"] += engine.spec_stats()["accepted"]
@@ -519,8 +543,9 @@ class EngineMachine(RuleBasedStateMachine):
         # kivi2 keeps each sequence's unfinished 16-token key group exact until it
         # completes, so its outputs depend on where prefill chunks and recomputes split
         # the groups: it is checked for consistency here, not for token identity.
-        # A retention policy that drops blocks changes what later tokens attend to.
-        dropping = getattr(cache := engine.cache, "dropped_blocks", 0) > 0
+        # A retention policy that drops blocks changes what later tokens attend to (a
+        # hybrid cache's sliding groups drop only what their layers no longer read).
+        dropping = getattr(cache, "dropped_blocks", 0) > 0
         finished = [] if kv_codec == "kivi2" or dropping else engine.finished
         for out in finished:
             prompt, params = self.submitted[out.request_id]
@@ -535,7 +560,7 @@ class EngineMachine(RuleBasedStateMachine):
                     assert sample.token_ids == expected[: len(sample.token_ids)], out.request_id
                 else:
                     assert sample.token_ids == expected, (out.request_id, i)
-        held = cache.allocator.num_used if cache.name == "paged" else len(cache.region_of)
+        held = len(cache.region_of) if cache.name == "naive" else cache.allocator.num_used
         assert held == 0, f"{held} blocks still held after every request finished"
         if getattr(cache, "connector", None) is not None:
             self._check_tiers(engine)
@@ -600,3 +625,19 @@ class PriorityMachine(EngineMachine):
 def test_engine_state_machine_with_priorities_under_pressure(tiny_model):
     counts = run_machine(tiny_model, PriorityMachine, examples=EXAMPLES or 5, steps=30)
     print("priority machine:", dict(counts))
+
+
+class HybridMachine(EngineMachine):
+    """The engine machine on configs of focus "hybrid" (the hybrid cache, with and without
+    sliding groups, prefix caching "hash" or none, chunked prefill, budgets that preempt by
+    recompute): a class of its own keeps its derandomized examples whatever EngineMachine
+    draws."""
+
+    @initialize(config=engine_configs(focus="hybrid"))
+    def build(self, config):
+        super().build(config)
+
+
+def test_engine_state_machine_on_the_hybrid_cache(tiny_model):
+    counts = run_machine(tiny_model, HybridMachine, examples=EXAMPLES or 4, steps=30)
+    print("hybrid machine:", dict(counts))

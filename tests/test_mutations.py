@@ -5,8 +5,9 @@ broken engine proves nothing. Here classic KV bugs are planted one at a time, an
 test that exercises the broken path must then fail: swap-in restoring zeros, each
 token's K/V written one slot off, a freed block handed to two requests, a speculative
 rollback that keeps its blocks, a tier load that corrupts K, end_session that keeps the
-tier copies, a sliding window that keeps one block too many. Each break is in the paged
-cache's paths, so the naive references stay sound.
+tier copies, a sliding window that keeps one block too many, a hybrid cache's sliding
+group that drops a block its window still reaches. Each break is in the paged (or
+hybrid) cache's paths, so the naive references stay sound.
 """
 
 from __future__ import annotations
@@ -91,6 +92,17 @@ def window_keeps_a_block_too_many(monkeypatch) -> None:
     monkeypatch.setattr(WindowRetention, "drop", lambda self, table, n: drop(self, table, n)[1:])
 
 
+def window_reach_one_block_short(monkeypatch) -> None:
+    """A sliding group's reach starts one block late: it drops a block its window still
+    reads, and its own check_integrity, asking the same reach, agrees (the ledger does not)."""
+    start = WindowRetention.recent_start
+
+    def late(self, num_computed, window):
+        return start(self, num_computed + self.block_size, window)
+
+    monkeypatch.setattr(WindowRetention, "recent_start", late)
+
+
 def oversubscribed(mode: str, chunked: bool):
     def run(model):
         test_four_times_oversubscribed_completes_identically(model, mode, chunked)
@@ -134,6 +146,7 @@ MATRIX = {
     tier_load_corrupts_k: [focused("tiers", 30)],
     end_session_keeps_tier_copies: [focused("tiers", 30)],
     window_keeps_a_block_too_many: [focused("window", 20)],
+    window_reach_one_block_short: [focused("hybrid", 20)],
 }  # fmt: skip
 CASES = [(m, t) for m, tests in MATRIX.items() for t in tests]
 
