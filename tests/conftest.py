@@ -341,6 +341,15 @@ def as_qwen2(llama, layer_types: list[str], window: int):
     return qwen
 
 
+def gemma3_reference(model: kvlab.LoadedModel, window: int) -> kvlab.LoadedModel:
+    """`model` as transformers runs it with Gemma 3's 5 sliding (`window` tokens) : 1 full
+    pattern (`attention_pattern=f"window={window}*5,full"`)."""
+    layers = model.config.num_hidden_layers
+    kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+    qwen = as_qwen2(model.hf_model, kinds, window)
+    return kvlab.LoadedModel(qwen, model.tokenizer, f"{model.name}-as-qwen2", 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tiny_model, tmp_path_factory) -> kvlab.LoadedModel:
     """The tiny Llama as a Qwen2 whose first layer slides (WINDOW tokens), second is full."""

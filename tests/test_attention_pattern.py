@@ -8,7 +8,7 @@ hits (a window's mask over a context that is partly cached).
 from __future__ import annotations
 
 import pytest
-from conftest import WINDOW, as_qwen2, hf_greedy
+from conftest import WINDOW, as_qwen2, gemma3_reference, hf_greedy
 
 import kvlab
 from kvlab.model.pattern import model_pattern, parse_pattern
@@ -91,11 +91,7 @@ def test_a_window_refuses_what_it_does_not_combine_with_yet(tiny_model):
 def test_the_real_model_with_gemmas_pattern_decodes_as_transformers(model, chat_prompts):
     """SmolLM2-135M given 5 sliding layers (32 tokens) to 1 full one, kernels path, a chat
     prompt of over 100 tokens: the same tokens as transformers running that pattern."""
-    layers = model.config.num_hidden_layers
-    kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
-    reference = kvlab.LoadedModel(
-        as_qwen2(model.hf_model, kinds, 32), model.tokenizer, "smollm2-as-qwen2", 0.0
-    )
+    reference = gemma3_reference(model, 32)
     config = kvlab.EngineConfig(
         cache="paged", attention="kernels", attention_pattern="window=32*5,full"
     )

@@ -7,7 +7,7 @@ whole after every step."""
 from __future__ import annotations
 
 import pytest
-from conftest import WINDOW, as_qwen2, hf_greedy
+from conftest import WINDOW, gemma3_reference, hf_greedy
 from test_attention_pattern import PROMPTS
 
 import kvlab
@@ -208,11 +208,7 @@ def test_kv_events_name_the_group(tiny_qwen):
 def test_the_real_model_with_gemmas_pattern_decodes_as_transformers(model, chat_prompts):
     """SmolLM2-135M given 5 sliding layers (32 tokens) to 1 full one: 6 groups of 5 layers,
     a block holds 5 layers, and the tokens are transformers' with that pattern."""
-    layers = model.config.num_hidden_layers
-    kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
-    reference = kvlab.LoadedModel(
-        as_qwen2(model.hf_model, kinds, 32), model.tokenizer, "smollm2-as-qwen2", 0.0
-    )
+    reference = gemma3_reference(model, 32)
     config = kvlab.EngineConfig(
         cache="hybrid", attention="kernels", attention_pattern="window=32*5,full"
     )

@@ -82,7 +82,13 @@ def unforked_blocks(cache: KVCache, seq: Sequence) -> int:
 def first_step_end(cache: KVCache, seq: Sequence, match: PrefixMatch, chunk: int | None):
     """Tokens `seq` holds after its first step: the prefix hit, then `chunk` more (None:
     every token it has)."""
-    hit = len(match.blocks) * cache.block_size + match.partial_tokens
+    return tokens_after_first_step(
+        seq, len(match.blocks) * cache.block_size + match.partial_tokens, chunk
+    )
+
+
+def tokens_after_first_step(seq: Sequence, hit: int, chunk: int | None) -> int:
+    """`hit` tokens from a prefix cache, then `chunk` more (None: every token it has)."""
     return seq.num_tokens if chunk is None else min(seq.num_tokens, hit + chunk)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab.cache.admission import worst_case_blocks
+from kvlab.cache.admission import tokens_after_first_step, worst_case_blocks
 from kvlab.cache.allocator import BlockAllocator
 from kvlab.cache.base import KVCache
 from kvlab.cache.events import AllBlocksCleared
@@ -128,17 +128,15 @@ class HybridCache(KVCache):
         block_size: int,
         max_model_len: int,
         groups: list[KVCacheGroup],
+        indexes: list | None = None,
         poison_freed: bool = False,
-        prefix_caching: str | None = None,
         watermark: float = 0.01,
-        events=None,
-        hash_options: dict | None = None,
         retention_interval: int | None = None,
     ):
         """`groups`: the model's KV cache groups (kvlab.cache.groups.kv_cache_groups); the
-        pool holds as many layers as the largest group. `prefix_caching`: None or "hash";
-        `events`: a sink for the indexes' KV events, each tagged with its group;
-        `retention_interval`: EngineConfig.prefix_cache_retention_interval."""
+        pool holds as many layers as the largest group. `indexes`: each group's prefix
+        index (None: no prefix caching); `retention_interval`:
+        EngineConfig.prefix_cache_retention_interval."""
         super().__init__(pool, block_size, max_model_len, poison_freed)
         self.groups = groups
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evict)
@@ -150,11 +148,11 @@ class HybridCache(KVCache):
                 block_size,
                 max_model_len,
                 poison_freed,
-                _index(prefix_caching, block_size, events, g, hash_options or {}),
+                index,
                 self.allocator,
                 retention_interval,
-            )
-            for g, group in enumerate(groups)
+            )  # fmt: skip
+            for group, index in zip(groups, indexes or [None] * len(groups))
         ]
 
     @classmethod
@@ -163,11 +161,15 @@ class HybridCache(KVCache):
 
     @classmethod
     def from_config(cls, config, pool: KVPool, max_model_len: int, events=None, groups=None):
+        """`events`: a sink for the indexes' KV events, each tagged with its group."""
         if events is not None and not config.prefix_caching:
             raise ValueError("KV events need prefix caching: set prefix_caching='hash'")
-        options = {"algo": config.prefix_caching_hash_algo, "seed": config.prefix_caching_hash_seed}
-        return cls(pool, config.block_size, max_model_len, groups, config.poison_freed,
-                   config.prefix_caching, config.watermark, events, options,
+        indexes = config.prefix_caching and [
+            PREFIX_INDEXES[config.prefix_caching].from_config(config, _tagging(events, g))
+            for g in range(len(groups))
+        ]
+        return cls(pool, config.block_size, max_model_len, groups, indexes or None,
+                   config.poison_freed, config.watermark,
                    config.prefix_cache_retention_interval)  # fmt: skip
 
     @property
@@ -203,18 +205,21 @@ class HybridCache(KVCache):
         """The most blocks a hit may take: the prompt's last token always runs."""
         return min((len(seq.prompt_ids) - 1) // self.block_size, len(keys))
 
-    def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> list[list[int]] | None:
-        """Every group's first table (its hit), if their first step's blocks fit."""
+    def _plan(self, seq: Sequence, alone: bool, chunk: int | None) -> tuple | None:
+        """(every group's first table (its hit), the prompt's keys), if their first step's
+        blocks fit."""
         hit, keys = self.prefix_hit(seq)
         tables = [part.hit_table(keys, hit) for part in self.parts]
-        end = _first_step_end(seq, hit * self.block_size, chunk)
+        end = tokens_after_first_step(seq, hit * self.block_size, chunk)
         need = sum(ceil_div(end, self.block_size) - len(table) for table in tables)
         reused = {b for table in tables for b in table if b != DROPPED}
         pinned = sum(1 for b in reused if b in self.allocator.cached)
         headroom = 0 if alone else self.watermark_blocks
-        return tables if need <= self.allocator.num_available - pinned - headroom else None
+        fits = need <= self.allocator.num_available - pinned - headroom
+        return (tables, keys) if fits else None
 
-    def _allocate(self, seq: Sequence, tables: list[list[int]], chunk: int | None) -> None:
+    def _allocate(self, seq: Sequence, plan: tuple, chunk: int | None) -> None:
+        tables, keys = plan
         hit = len(tables[0]) * self.block_size
         for part, table in zip(self.parts, tables):
             for block in table:
@@ -223,13 +228,12 @@ class HybridCache(KVCache):
             part.tables[seq.request_id] = list(table)
             part.sequences[seq.request_id] = seq
         if self.index is not None:
-            seq.notes.append(self._explain(seq, hit))
+            seq.notes.append(self._explain(seq, hit, keys))
         seq.num_computed = seq.prefix_hit_tokens = hit
 
-    def _explain(self, seq: Sequence, hit: int) -> Note:
+    def _explain(self, seq: Sequence, hit: int, keys: list[bytes]) -> Note:
         """How much of the prompt hit, and what each group alone would have served: the
         group that holds least is the one that set the hit."""
-        keys = self.index.keys(seq.prompt_ids, seq.salt)
         held, limit, bs = self._held(keys), self._limit(seq, keys), self.block_size
         alone = [
             cross_group_hit([group], lambda _, i, g=g: held(g, i), limit, bs) * bs
@@ -341,20 +345,9 @@ class HybridCache(KVCache):
             require(not indexed, f"free block {block} is in a prefix index")
 
 
-def _first_step_end(seq: Sequence, hit: int, chunk: int | None) -> int:
-    """Tokens `seq` holds after its first step: `hit`, then `chunk` more (None: all)."""
-    return seq.num_tokens if chunk is None else min(seq.num_tokens, hit + chunk)
-
-
-def _index(name: str | None, block_size: int, events, group: int, options: dict):
-    """Group `group`'s prefix index (None without prefix caching); its events say whose."""
-    if name is None:
-        return None
-    if name != "hash":
-        raise ValueError(f"cache='hybrid' needs prefix_caching='hash' or None; got {name!r}")
-    sink = None if events is None else (lambda event: events(_tagged(event, group)))
-    return PREFIX_INDEXES["hash"](block_size, options.get("algo", "blake2b"),
-                                  options.get("seed"), sink)  # fmt: skip
+def _tagging(events, group: int):
+    """A sink that hands `events` each event tagged with `group` (None without events)."""
+    return None if events is None else (lambda event: events(_tagged(event, group)))
 
 
 def _tagged(event, group: int):
