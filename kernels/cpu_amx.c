@@ -31,29 +31,17 @@
 
 #include <math.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
-
-#if defined(__x86_64__) && defined(__linux__) &&                                            \
-    ((defined(__clang__) && __clang_major__ >= 12) ||                                       \
-     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define KVLAB_AMX_BUILT 1
-#else
-#define KVLAB_AMX_BUILT 0
-#endif
-
-#define KVLAB_ENOAMX 5 /* this CPU, kernel or build has no AMX-BF16 */
 
 #if KVLAB_AMX_BUILT
 
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 #define AMX_QB 32          /* query positions per task */
 #define AMX_KC 128     /* positions per chunk: a multiple of 32 */
-#define TILE 512       /* bf16 elements in a 16 x 64-byte tile */
 #define AMX_MAX_DIM 256
 #define MIN_PARALLEL (1 << 16) /* (query row, position) pairs */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -70,12 +58,6 @@ typedef struct {
     int blocks32;      /* positions / 32, rounded up */
     int tasks, next_task;
 } Amx;
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* The first K^T tile of (kv head h, 16 positions t, dims 32 dk ..) and of V's
  * (h, 32 positions u, dims 16 ct ..). */
@@ -276,8 +258,6 @@ AMX static int attend_tasks(void *arg) {
     return KVLAB_OK;
 }
 
-/* 1 when the CPU has AMX-BF16, AVX-512 and AVX512-BF16 and Linux lets this process use the tile
- * registers (asked once; the answer is kept). */
 int kvlab_amx_ready(void) {
     static int ready = -1;
     if (ready >= 0) return ready;

@@ -41,10 +41,10 @@ SOURCES = tuple(
     HERE / name
     for name in (
         "cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_amx.c", "cpu_fused.c",
-        "cpu_invariant.c",
+        "cpu_invariant.c", "cpu_linear.c",
     )
 )  # fmt: skip
-HEADERS = (HERE / "cpu_common.h", HERE / "cpu_tiles.h")
+HEADERS = (HERE / "cpu_common.h", HERE / "cpu_tiles.h", HERE / "cpu_amx.h")
 FLAG_SETS = (  # tried in order: -march=native is fastest but not every compiler has it
     ("-O3", "-march=native", "-shared", "-fPIC", "-pthread"),
     ("-O3", "-shared", "-fPIC", "-pthread"),

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention
-from kvlab.model.linear import Linears
+from kvlab.model.linear import AmxLinears, Linears
 from kvlab.model.metadata import AttentionMetadata
 from kvlab.model.pattern import Pattern, model_pattern, windowed
 
@@ -49,6 +49,7 @@ class FusedModel:
 
     layers: list[LayerWeights]
     linear: Linears | None = None
+    amx: AmxLinears | None = None  # a bf16 decode step's matmuls on AMX, once first asked for
 
 
 def kv_spec_of(config) -> KVSpec:
@@ -134,6 +135,7 @@ class ModelRunner:
 
             self.silu_mul, self.apply_rope = cpu_fused.cpu_silu_mul, cpu_fused.cpu_rope
             self.fused_add_norm = cpu_fused.cpu_add_rms_norm
+            self.linear = self._amx_linears(fused)
         if batch_invariant:  # every reduction in kvlab's fixed order (kvlab.model.invariant)
             from kvlab.model import invariant
 
@@ -153,6 +155,17 @@ class ModelRunner:
         sizes = cfg.hidden_size, cfg.intermediate_size, self.head_dim
         return cpu_kernels_available() and fused_fits(*sizes)
 
+    def _amx_linears(self, fused: FusedModel) -> Linears | AmxLinears:
+        """A fused bf16 runner's matmuls: steps of up to 32 rows on AMX tiles where the CPU
+        has them (kvlab.model.linear.AmxLinears, packed once per model), else oneDNN's."""
+        from kvlab.kernels.cpu_prefill import amx_ready
+
+        if not amx_ready():
+            return self.linear
+        if fused.amx is None:
+            fused.amx = AmxLinears(self.linear, self.matmul_weights(self.layers))
+        return fused.amx
+
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
         """h += delta (the residual stream takes a sublayer's output, when there is one),
         then h's RMS norm: (T, hidden) -> (T, hidden). One native call when fused."""
@@ -171,10 +184,11 @@ class ModelRunner:
 
     def pack(self, layers: list[LayerWeights]) -> Linears:
         """The matmuls over `layers`' weights and the LM head (kvlab.model.linear)."""
-        weights = [self.lm_head]
-        for w in layers:
-            weights += [w.qkv, w.o, w.gate_up, w.down]
-        return Linears(weights)
+        return Linears(self.matmul_weights(layers))
+
+    def matmul_weights(self, layers: list[LayerWeights]) -> list[torch.Tensor]:
+        """The LM head's and `layers`' linear weights, in the order a step uses them."""
+        return [self.lm_head] + [x for w in layers for x in (w.qkv, w.o, w.gate_up, w.down)]
 
     def use_kv_groups(self, groups: list) -> None:
         """Read and write each layer's K/V where its KV cache group keeps them
@@ -247,11 +261,11 @@ class ModelRunner:
         mlp = None  # the previous layer's MLP output, which the next norm adds to h
         for index, w in enumerate(self.layers):
             x = self.add_norm(h, mlp, w.input_norm)
-            q, k, v = self.linear(x, w.qkv, w.qkv_bias).split([n_q, n_kv, n_kv], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
-            q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
+            qkv = self.linear(x, w.qkv, w.qkv_bias)  # (T, (heads + 2 kv_heads) * head_dim)
+            qk = qkv[:, : n_q + n_kv].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = self.apply_rope(qk, cos, sin)  # Q's heads and K's rotate alike: one call
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, heads, dim) ..
+            v = qkv[:, n_q + n_kv :].view(-1, self.num_kv_heads, self.head_dim)
             group, slot, window = *self.kv_layers[index], self.windows[index]
             pool.write(slot, metas[group].slot_mapping, k, v)
             if (group, window) not in views:
