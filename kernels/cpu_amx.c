@@ -56,6 +56,8 @@ typedef struct {
     float scale;
     uint16_t *kp, *vp; /* packed K^T and V tiles, (kv_heads, ...) */
     int blocks32;      /* positions / 32, rounded up */
+    float *out_f32, *lse; /* a shared prefix's call: every row sees all S positions, its
+                           * output left in fp32 beside its log-sum-exp (else NULL) */
     int tasks, next_task;
 } Amx;
 
@@ -201,12 +203,14 @@ AMX static void attend(Amx *a, int task, Scratch *x) {
     const int h = task % a->kv_heads, block = blocks - 1 - task / a->kv_heads;
     const int i0 = block * AMX_QB, P = a->positions - a->rows_q;
     const int qn = a->rows_q - i0 < AMX_QB ? a->rows_q - i0 : AMX_QB;
-    const int rows = qn * g, padded = (rows + 31) / 32 * 32, end = P + i0 + qn;
+    const int prefix = a->lse != NULL; /* no causal mask: every row sees all S positions */
+    const int rows = qn * g, padded = (rows + 31) / 32 * 32;
+    const int end = prefix ? a->positions : P + i0 + qn;
     for (int r = 0; r < padded; r++) {
         const uint16_t *q = a->q + ((int64_t)(i0 + r / g) * a->heads + h * g + r % g) * d;
         if (r < rows) memcpy(x->qp + (int64_t)r * d, q, sizeof(uint16_t) * d);
         else memset(x->qp + (int64_t)r * d, 0, sizeof(uint16_t) * d);
-        x->end[r] = r < rows ? P + i0 + r / g + 1 : 0;
+        x->end[r] = r >= rows ? 0 : prefix ? end : P + i0 + r / g + 1;
         x->max[r] = -INFINITY;
         x->sum[r] = 0.0f;
     }
@@ -228,8 +232,13 @@ AMX static void attend(Amx *a, int task, Scratch *x) {
                           (int64_t)(d / 16) * TILE, n / 32);
     }
     for (int r = 0; r < rows; r++) {
-        const int64_t at = ((int64_t)(i0 + r / g) * a->heads + h * g + r % g) * d;
-        store(a->out, DT_BF16, at, x->acc + (int64_t)r * d, 1.0f / x->sum[r], d);
+        const int64_t row = (int64_t)(i0 + r / g) * a->heads + h * g + r % g;
+        if (prefix) {
+            store(a->out_f32, DT_F32, row * d, x->acc + (int64_t)r * d, 1.0f / x->sum[r], d);
+            a->lse[row] = x->max[r] + logf(x->sum[r]);
+        } else {
+            store(a->out, DT_BF16, row * d, x->acc + (int64_t)r * d, 1.0f / x->sum[r], d);
+        }
     }
 }
 
@@ -279,30 +288,29 @@ int kvlab_amx_ready(void) { return 0; }
 
 #endif
 
-/* q, out: (Q, heads, head_dim) bf16 contiguous, rows at positions S - Q .. S - 1; k, v:
- * (num_slots, kv_heads, head_dim) bf16 with the given element strides, last dim
- * contiguous; slots: (S,) contiguous. Returns 0, or a KVLAB_E* code (KVLAB_ENOAMX where
- * kvlab_amx_ready() is 0). */
-int kvlab_paged_prefill_amx(const void *q, const void *k, const void *v, void *out,
-                            const int64_t *slots, int Q, int S, int64_t num_slots,
-                            int64_t k_slot_stride, int64_t k_head_stride,
-                            int64_t v_slot_stride, int64_t v_head_stride, int heads,
-                            int kv_heads, int head_dim, float scale, int num_threads) {
+/* Both entry points: `out` (bf16, causal rows) or, for a shared prefix, `out_f32` and
+ * `lse` (every row sees all S positions). */
+static int run_amx(const void *q, const void *k, const void *v, void *out, float *out_f32,
+                   float *lse, const int64_t *slots, int Q, int S, int64_t num_slots,
+                   int64_t k_slot_stride, int64_t k_head_stride, int64_t v_slot_stride,
+                   int64_t v_head_stride, int heads, int kv_heads, int head_dim, float scale,
+                   int num_threads) {
 #if KVLAB_AMX_BUILT
     if (!kvlab_amx_ready()) return KVLAB_ENOAMX;
     if (heads < 1 || heads > MAX_HEADS || kv_heads < 1 || heads % kv_heads) return KVLAB_EARG;
     if (head_dim < 32 || head_dim > AMX_MAX_DIM || head_dim % 32) return KVLAB_EARG;
-    if (!q || !k || !v || !out || !slots || k_slot_stride < 0 || k_head_stride < 0 ||
-        v_slot_stride < 0 || v_head_stride < 0)
+    if (!q || !k || !v || !(out || (out_f32 && lse)) || !slots || k_slot_stride < 0 ||
+        k_head_stride < 0 || v_slot_stride < 0 || v_head_stride < 0)
         return KVLAB_EARG;
-    if (Q < 1 || S < Q || S > INT32_MAX - AMX_KC) return KVLAB_ELEN;
+    if (Q < 1 || S < (lse ? 1 : Q) || S > INT32_MAX - AMX_KC) return KVLAB_ELEN;
     for (int j = 0; j < S; j++)
         if (slots[j] < 0 || slots[j] >= num_slots) return KVLAB_ESLOT;
     Amx a = {.q = q, .k = k, .v = v, .out = out, .slots = slots, .rows_q = Q, .positions = S,
              .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim,
              .group = heads / kv_heads, .k_slot_stride = k_slot_stride,
              .k_head_stride = k_head_stride, .v_slot_stride = v_slot_stride,
-             .v_head_stride = v_head_stride, .scale = scale, .blocks32 = (S + 31) / 32};
+             .v_head_stride = v_head_stride, .scale = scale, .blocks32 = (S + 31) / 32,
+             .out_f32 = out_f32, .lse = lse};
     const size_t per_head = (size_t)a.blocks32 * 32 * (size_t)head_dim; /* per K or V */
     a.kp = malloc(sizeof(uint16_t) * per_head * (size_t)kv_heads * 2);
     if (!a.kp) return KVLAB_ENOMEM;
@@ -319,9 +327,40 @@ int kvlab_paged_prefill_amx(const void *q, const void *k, const void *v, void *o
     free(a.kp);
     return status;
 #else
-    (void)q, (void)k, (void)v, (void)out, (void)slots, (void)Q, (void)S, (void)num_slots;
-    (void)k_slot_stride, (void)k_head_stride, (void)v_slot_stride, (void)v_head_stride;
-    (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)num_threads;
+    (void)q, (void)k, (void)v, (void)out, (void)out_f32, (void)lse, (void)slots, (void)Q;
+    (void)S, (void)num_slots, (void)k_slot_stride, (void)k_head_stride, (void)v_slot_stride;
+    (void)v_head_stride, (void)heads, (void)kv_heads, (void)head_dim, (void)scale;
+    (void)num_threads;
     return KVLAB_ENOAMX;
 #endif
+}
+
+/* q, out: (Q, heads, head_dim) bf16 contiguous, rows at positions S - Q .. S - 1; k, v:
+ * (num_slots, kv_heads, head_dim) bf16 with the given element strides, last dim
+ * contiguous; slots: (S,) contiguous. Returns 0, or a KVLAB_E* code (KVLAB_ENOAMX where
+ * kvlab_amx_ready() is 0). */
+int kvlab_paged_prefill_amx(const void *q, const void *k, const void *v, void *out,
+                            const int64_t *slots, int Q, int S, int64_t num_slots,
+                            int64_t k_slot_stride, int64_t k_head_stride,
+                            int64_t v_slot_stride, int64_t v_head_stride, int heads,
+                            int kv_heads, int head_dim, float scale, int num_threads) {
+    return run_amx(q, k, v, out, NULL, NULL, slots, Q, S, num_slots, k_slot_stride,
+                   k_head_stride, v_slot_stride, v_head_stride, heads, kv_heads, head_dim,
+                   scale, num_threads);
+}
+
+/* Cascade attention's shared part: Q rows (each a decoding sequence's query, (Q, heads,
+ * head_dim) bf16) attend to the same S positions, a prefix every one of them shares (no
+ * mask), read once for all of them. out: (Q, heads, head_dim) fp32, each row normalized
+ * over the prefix alone; lse: (Q, heads) fp32, log of the row's softmax denominator (scores
+ * scaled), to merge with the rest of each sequence (kvlab_paged_decode's prior). */
+int kvlab_prefix_amx(const void *q, const void *k, const void *v, float *out, float *lse,
+                     const int64_t *slots, int Q, int S, int64_t num_slots,
+                     int64_t k_slot_stride, int64_t k_head_stride, int64_t v_slot_stride,
+                     int64_t v_head_stride, int heads, int kv_heads, int head_dim, float scale,
+                     int num_threads) {
+    if (!out || !lse) return KVLAB_EARG;
+    return run_amx(q, k, v, NULL, out, lse, slots, Q, S, num_slots, k_slot_stride,
+                   k_head_stride, v_slot_stride, v_head_stride, heads, kv_heads, head_dim,
+                   scale, num_threads);
 }

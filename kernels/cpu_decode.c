@@ -62,6 +62,8 @@ typedef struct {
     int tasks;
     int *task_seq, *first_task; /* (tasks,), (batch + 1,) */
     float *partial;             /* per task of a multi-chunk sequence: (heads, head_dim + 2) */
+    const float *prior_out;     /* cascade: (B, heads, head_dim) fp32 over a shared prefix, */
+    const float *prior_lse;     /* (B, heads) its log-sum-exp, merged in first; else NULL */
     int next_task;              /* the shared counter threads take tasks from */
 } Problem;
 
@@ -285,7 +287,7 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Scratch *s, int d, int
         sums[h] = exp_shifted(row, n, maxes[h]);
     }
     value_pass(p, slots, n, s, d, dtype);
-    if (chunks == 1) {
+    if (chunks == 1 && !p->prior_lse) {
         for (int h = 0; h < heads; h++)
             store(p->out, p->dtype_q, q_row + (int64_t)h * d, s->acc + (int64_t)h * d,
                   1.0f / sums[h], d);
@@ -317,21 +319,28 @@ static void run_task(Problem *p, int task, Scratch *s) {
     }
 }
 
-/* out for sequence b from its chunks' (max, sum, acc), in chunk order */
+/* out for sequence b from its chunks' (max, sum, acc), in chunk order (after the prior's) */
 static void merge_chunks(const Problem *p, int b, float *acc) {
     const int d = p->head_dim, heads = p->heads, stride = heads * (d + 2);
     const int first = p->first_task[b], last = p->first_task[b + 1];
     for (int h = 0; h < heads; h++) {
         const float *part = p->partial + (int64_t)first * stride + (int64_t)h * (d + 2);
+        const int64_t row = (int64_t)b * heads + h;
         float m = part[0], sum = 0.0f;
         for (int t = 1; t < last - first; t++) m = part[t * stride] > m ? part[t * stride] : m;
         memset(acc, 0, sizeof(float) * (size_t)d);
+        if (p->prior_lse) { /* the prefix's part: sum 1 and acc = its output at max lse */
+            const float lse = p->prior_lse[row], *prior = p->prior_out + row * d;
+            m = lse > m ? lse : m;
+            sum = fast_exp(lse - m);
+            for (int c = 0; c < d; c++) acc[c] = sum * prior[c];
+        }
         for (int t = first; t < last; t++, part += stride) {
             const float w = fast_exp(part[0] - m);
             sum += w * part[1];
             for (int c = 0; c < d; c++) acc[c] += w * part[2 + c];
         }
-        store(p->out, p->dtype_q, ((int64_t)b * heads + h) * d, acc, 1.0f / sum, d);
+        store(p->out, p->dtype_q, row * d, acc, 1.0f / sum, d);
     }
 }
 
@@ -374,7 +383,7 @@ static int run_problem(Problem *p, int num_threads) {
     for (int b = 0; b < p->batch; b++) {
         const int64_t chunks = (p->lens[b] + CHUNK - 1) / CHUNK;
         tasks += chunks;
-        partials += chunks > 1 ? chunks : 0;
+        partials += chunks > 1 || p->prior_lse ? chunks : 0;
     }
     if (tasks > INT32_MAX) return KVLAB_EARG;
     p->tasks = (int)tasks;
@@ -395,7 +404,8 @@ static int run_problem(Problem *p, int num_threads) {
         p->next_task = 0;
         status = run_all(p, num_threads);
         for (int b = 0; status == KVLAB_OK && b < p->batch; b++)
-            if (p->first_task[b + 1] - p->first_task[b] > 1) merge_chunks(p, b, acc);
+            if (p->first_task[b + 1] - p->first_task[b] > 1 || p->prior_lse)
+                merge_chunks(p, b, acc);
     }
     free(p->task_seq);
     free(p->partial);
@@ -431,17 +441,21 @@ int kvlab_dtype_supported(int dtype) { return dtype_ok(dtype); }
 
 /* q, out: (B, heads, head_dim) contiguous; k, v: (num_slots, kv_heads, head_dim) with
  * the given element strides, last dim contiguous; slots: (B, max_len) with row stride
- * slots_stride; lens: (B,) each in [1, max_len]. */
+ * slots_stride; lens: (B,) each in [1, max_len]. prior_out (B, heads, head_dim) and
+ * prior_lse (B, heads), fp32, or both NULL: the attention each row already has over other
+ * positions (cascade attention's shared prefix, kvlab_prefix_amx), merged into out. */
 int kvlab_paged_decode(const void *q, const void *k, const void *v, void *out, int dtype_q,
                        int dtype_kv, const int64_t *slots, int64_t slots_stride,
                        const int64_t *lens, int64_t max_len, int64_t num_slots,
                        int64_t k_slot_stride, int64_t k_head_stride, int64_t v_slot_stride,
                        int64_t v_head_stride, int B, int heads, int kv_heads, int head_dim,
-                       float scale, int num_threads) {
+                       float scale, const float *prior_out, const float *prior_lse,
+                       int num_threads) {
     Problem p = {q, k, v, out, dtype_q, dtype_kv, slots, slots_stride, lens, max_len,
                  k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                  B, heads, kv_heads, head_dim, kv_heads > 0 ? heads / kv_heads : 0, scale,
-                 0, NULL, NULL, NULL, 0};
+                 0, NULL, NULL, NULL, prior_out, prior_lse, 0};
+    if (!prior_out != !prior_lse) return KVLAB_EARG;
     int status = check_args(&p, num_slots);
     if (status != KVLAB_OK || B == 0) return status;
     return run_problem(&p, num_threads);

@@ -56,7 +56,8 @@ SIGNATURE = (
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # slots, slots_stride, lens
     + [ctypes.c_int64] * 6  # max_len, num_slots, k and v slot/head strides
     + [ctypes.c_int] * 4  # B, heads, kv_heads, head_dim
-    + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
+    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]  # scale, prior_out, prior_lse
+    + [ctypes.c_int]  # num_threads
 )
 
 
@@ -67,9 +68,20 @@ def cpu_paged_decode_attention(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v per sequence over its first lens[b] slots, GQA; see above."""
+    """softmax(q k^T * scale) v per sequence over its first lens[b] slots, GQA; see above.
+
+    prior: (out, lse), fp32 (B, heads, head_dim) and (B, heads): each row's attention over
+    other positions and its log-sum-exp (cascade attention's shared prefix,
+    kvlab.kernels.cpu_cascade), merged into the result as if those positions came first.
+    """
     _check(q, k_cache, v_cache, slots, lens, scale)
+    if prior is not None:
+        shapes = (q.shape, q.shape[:2])
+        if any(t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous()
+               for t, shape in zip(prior, shapes)):  # fmt: skip
+            raise ValueError(f"prior must be contiguous fp32 tensors of shapes {shapes}")
     kernel = native_function("kvlab_paged_decode", SIGNATURE, q.dtype, k_cache.dtype)
     q = q.detach().contiguous()  # (B, heads, head_dim)
     k_cache, v_cache = rows_contiguous(k_cache), rows_contiguous(v_cache)
@@ -77,7 +89,7 @@ def cpu_paged_decode_attention(
     lens = lens.contiguous()  # (B,)
     out = torch.empty_like(q)  # (B, heads, head_dim)
     if q.shape[0] > 0:
-        status = kernel(*_arguments(q, k_cache, v_cache, out, slots, lens, scale))
+        status = kernel(*_arguments(q, k_cache, v_cache, out, slots, lens, scale, prior))
         raise_for(status, "cpu_paged_decode_attention", ERRORS)
     return out
 
@@ -131,7 +143,7 @@ def _check(q, k_cache, v_cache, slots, lens, scale) -> None:
         raise ValueError("slots must have at least one column")
 
 
-def _arguments(q, k_cache, v_cache, out, slots, lens, scale) -> tuple:
+def _arguments(q, k_cache, v_cache, out, slots, lens, scale, prior=None) -> tuple:
     """kvlab_paged_decode's arguments, in order."""
     batch, heads, head_dim = q.shape
     return (
@@ -155,5 +167,7 @@ def _arguments(q, k_cache, v_cache, out, slots, lens, scale) -> tuple:
         k_cache.shape[1],
         head_dim,
         float(scale),
+        None if prior is None else prior[0].data_ptr(),
+        None if prior is None else prior[1].data_ptr(),
         torch.get_num_threads(),
     )

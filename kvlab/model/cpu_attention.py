@@ -5,7 +5,10 @@ Every group of meta.groups (kvlab.model.metadata) is one of two kinds:
 * **Decodes** (one query row each): `kvlab.kernels.cpu_paged_decode_attention` reads each
   sequence's K/V where they lie in the pool, through the group's slots, instead of the
   reference's copy of them into a padded tensor. Also in a step that mixes decodes with a
-  prompt.
+  prompt. When the group's sequences share a long prefix (the same slots: a cached system
+  prompt or document) in bf16 where the CPU has AMX tiles, cascade attention
+  (`kvlab.kernels.cpu_cascade`): the prefix attended once for all of them, then each
+  sequence's own positions.
 * **A prompt** (a whole one, one behind a prefix hit, a later chunk): its Q new rows are
   the last Q of its S context positions and row i sees the first S - Q + i + 1 of them
   (with a retention policy's dropped blocks too: their positions are not in the slots).
@@ -40,18 +43,26 @@ def cpu_attention(
     (kvlab.kernels.cpu_kernels_available).
     """
     from kvlab.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention
+    from kvlab.kernels.cpu_cascade import cascade_pays, cpu_cascade_decode_attention
     from kvlab.kernels.cpu_prefill import prompt_pays
 
     out = torch.empty_like(q)
     stored = pool_layer(pool, layer)
     k_cache, v_cache = stored["k_cache"], stored["v_cache"]
-    for group in meta.groups:
-        rows = q[group.rows]  # (G * Q, heads, head_dim)
-        if group.lens is not None:  # decodes: (G, heads, head_dim)
-            out[group.rows] = cpu_paged_decode_attention(
-                rows, k_cache, v_cache, group.slots, group.lens, scale
+    decodes = meta.decode_group()  # every decode in one call: the kernel needs no padding
+    if decodes is not None:
+        rows, shared = q[decodes.rows], decodes.shared_positions()  # (G, heads, head_dim)
+        if cascade_pays(rows, k_cache, shared):
+            out[decodes.rows] = cpu_cascade_decode_attention(
+                rows, k_cache, v_cache, decodes.slots, decodes.lens, scale, shared, verified=True
             )
-        elif meta.window is None and prompt_pays(q, k_cache):
+        else:
+            out[decodes.rows] = cpu_paged_decode_attention(
+                rows, k_cache, v_cache, decodes.slots, decodes.lens, scale
+            )
+    for group in (group for group in meta.groups if group.lens is None):  # the prompts
+        rows = q[group.rows]  # (Q, heads, head_dim)
+        if meta.window is None and prompt_pays(q, k_cache):
             # one prompt: (Q, heads, head_dim), written in place
             cpu_paged_prefill_attention(
                 rows, k_cache, v_cache, group.slots[0], scale, out=out[group.rows]

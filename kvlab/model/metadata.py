@@ -10,7 +10,7 @@ original positions, so a query at position p sees every kept position <= p. Posi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,19 @@ class AttentionGroup:
     slots: torch.Tensor  # (G, S) pool slots of the context (padded as context_slots)
     mask: torch.Tensor | None  # (G, 1, Q, S) True = may attend; None = plain causal, Q == S
     lens: torch.Tensor | None = None  # (G,) int64 context of each decode; None for a prompt
+    _shared: int | None = field(default=None, repr=False)  # shared_positions(), once known
+
+    def shared_positions(self) -> int:
+        """Decodes: how many leading positions every sequence of the group reads from the
+        same slots (a prefix they share: a cached system prompt or document), at most
+        min(lens) - 1 so each keeps a position of its own; 0 for a prompt. Computed once."""
+        if self._shared is None:
+            self._shared = 0
+            if self.lens is not None and len(self.lens) > 1:
+                same = (self.slots == self.slots[:1]).all(dim=0)  # (S,)
+                run = int(same.long().cumprod(dim=0).sum())
+                self._shared = max(0, min(run, int(self.lens.min()) - 1))
+        return self._shared
 
 
 @dataclass
@@ -52,10 +65,31 @@ class AttentionMetadata:
     last_token_index: torch.Tensor  # (B,) row in T of each sequence's last new token
     groups: list[AttentionGroup]  # how the reference attention batches them (see below)
     window: int | None = None  # a sliding window's metadata (kvlab.model.pattern.windowed)
+    _decodes: list = field(default_factory=list, repr=False)  # decode_group(), once built
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+    def decode_group(self) -> AttentionGroup | None:
+        """Every decode of the step (one new token each) in one group, or None when there
+        is none: for kernels that read each sequence to its own length and so need no
+        padding to batch them (the reference's groups split decodes by length). Each
+        group's slots are padded with its last column to the widest. Built once."""
+        if not self._decodes:
+            parts = [group for group in self.groups if group.lens is not None]
+            if len(parts) <= 1:
+                self._decodes.append(parts[0] if parts else None)
+            else:
+                width = max(group.slots.shape[1] for group in parts)
+                pad = [g.slots[:, -1:].expand(-1, width - g.slots.shape[1]) for g in parts]
+                slots = [torch.cat([g.slots, p], dim=1) for g, p in zip(parts, pad)]
+                self._decodes.append(AttentionGroup(
+                    rows=torch.cat([group.rows for group in parts]),
+                    slots=torch.cat(slots), mask=None,
+                    lens=torch.cat([group.lens for group in parts]),
+                ))  # fmt: skip
+        return self._decodes[0]
 
 
 def build_attention_metadata(

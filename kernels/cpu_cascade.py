@@ -1,0 +1,96 @@
+"""Cascade attention for a decode step whose sequences share a prefix (bf16, AMX tiles).
+
+When many sequences decode behind one cached prompt prefix (a shared system prompt or
+document), each one's decode attention reads that prefix's K/V again. Cascade attention
+(FlashInfer's name; vLLM's FlashAttention backend does it on GPUs, its CPU backend never)
+splits each sequence's context in two:
+
+    shared   positions 0 .. P - 1, the same slots in every sequence: all B queries attend
+             to them in one call, as a matrix product of (B x heads) rows against the P
+             positions on AMX tiles (cpu_amx.c's kvlab_prefix_amx): the prefix is read once
+             per kv head instead of once per sequence, and the tile unit does the products.
+    own      positions P .. len - 1 of each sequence: the decode kernel (cpu_decode.c), which
+             merges the shared part's (output, log-sum-exp) in first, as one more chunk.
+
+Softmax over the whole context is the two parts' softmaxes weighted by their denominators
+(the log-sum-exp merge flash attention uses between chunks), so the result is attention
+over every position; the shared part rounds its weights to bf16 for the tile unit, as the
+AMX prompt kernel does. `cascade_pays` says when to take it (vLLM's first two rules: a
+prefix of at least 256 positions and at least 8 sequences).
+
+This module imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_build import native_function, raise_for, rows_contiguous
+from .cpu_decode import cpu_paged_decode_attention
+from .cpu_prefill import amx_ready, amx_takes
+
+MIN_SHARED = 256  # positions; vLLM's use_cascade_attention threshold
+MIN_SEQS = 8  # sequences; likewise
+ERRORS = {1: "invalid arguments", 2: "invalid lengths", 3: "a slot out of range",
+          5: "this CPU, kernel or build has no AMX-BF16"}  # fmt: skip
+PREFIX_SIGNATURE = (
+    [ctypes.c_void_p] * 5  # q, k, v, out, lse
+    + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # slots, Q, S
+    + [ctypes.c_int64] * 5  # num_slots, k and v slot/head strides
+    + [ctypes.c_int] * 3  # heads, kv_heads, head_dim
+    + [ctypes.c_float, ctypes.c_int]  # scale, num_threads
+)
+
+
+def cascade_pays(q: torch.Tensor, k_cache: torch.Tensor, shared: int) -> bool:
+    """Whether a decode step of q's B sequences sharing their first `shared` positions
+    takes cascade attention: bf16 on a CPU whose tile unit runs, shared >= MIN_SHARED and
+    B >= MIN_SEQS."""
+    enough = shared >= MIN_SHARED and q.shape[0] >= MIN_SEQS
+    return enough and amx_takes(q, k_cache) and amx_ready()
+
+
+def cpu_cascade_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    shared: int,
+    verified: bool = False,
+) -> torch.Tensor:
+    """cpu_paged_decode_attention's result, the first `shared` positions (the same slots in
+    every sequence) attended once for all sequences.
+
+    q: (B, heads, head_dim) bf16; k_cache, v_cache: (num_slots, kv_heads, head_dim) bf16;
+    slots (B, S) and lens (B,) int64 as cpu_paged_decode_attention takes them -> (B, heads,
+    head_dim) bf16. ValueError unless 0 < shared < min(lens), every sequence's first
+    `shared` slots are the same, and the tile unit runs here. `verified`: the caller found
+    `shared` by comparing these slots (kvlab.model.metadata's
+    AttentionGroup.shared_positions, once per step), so they are not compared again.
+    """
+    if not (amx_takes(q, k_cache) and amx_ready()):
+        raise ValueError("cascade attention needs bf16 q and caches and a CPU with AMX-BF16")
+    if not 0 < shared < int(lens.min()):
+        raise ValueError(f"shared must be in [1, min(lens)); got {shared}")
+    prefix = slots[0, :shared].contiguous()  # (P,)
+    if not verified and not bool((slots[:, :shared] == prefix).all()):  # another's K/V
+        raise ValueError(f"the sequences' first {shared} slots are not the same")
+    q = q.detach().contiguous()
+    k_cache, v_cache = rows_contiguous(k_cache), rows_contiguous(v_cache)
+    batch, heads, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=torch.float32)  # over the prefix alone
+    lse = torch.empty(batch, heads, dtype=torch.float32)
+    status = native_function("kvlab_prefix_amx", PREFIX_SIGNATURE)(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        prefix.data_ptr(), batch, shared, k_cache.shape[0], k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), heads, k_cache.shape[1],
+        head_dim, float(scale), torch.get_num_threads(),
+    )  # fmt: skip
+    raise_for(status, "cpu_cascade_decode_attention", ERRORS)
+    return cpu_paged_decode_attention(
+        q, k_cache, v_cache, slots[:, shared:], lens - shared, scale, prior=(out, lse)
+    )

@@ -1,0 +1,138 @@
+"""Cascade attention (kernels/cpu_cascade.py): decodes that share a prefix attend to it once
+on AMX tiles, then each to its own positions, against test_cpu_decode's fp32 reference.
+
+The cases share whole blocks of a paged pool (blocks in random order, every slot no
+sequence reads NaN), with prefixes that end inside and at the end of a block, a shared part
+of one position, and sequences whose own part is one position. The kernel runs only where
+the CPU has AMX-BF16; the rule that picks it, the prior merge of the decode kernel and the
+decode group are checked on any CPU with the native kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvlab.kernels import cpu_kernels_available, cpu_paged_decode_attention
+from kvlab.kernels.cpu_cascade import (
+    MIN_SEQS,
+    MIN_SHARED,
+    cascade_pays,
+    cpu_cascade_decode_attention,
+)
+from kvlab.kernels.cpu_prefill import amx_ready
+from test_cpu_decode import BLOCK, reference
+
+from kvlab.model.metadata import build_attention_metadata
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
+needs_amx = pytest.mark.skipif(
+    not (cpu_kernels_available() and amx_ready()), reason="needs a CPU with AMX-BF16"
+)
+
+
+def shared_case(batch, shared_blocks, own, heads=9, kv_heads=3, dim=64, seed=0):
+    """q, k, v, slots, lens: every sequence's first `shared_blocks` blocks are the same
+    blocks; then up to `own` positions of its own (at least one); unused slots NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = shared_blocks * BLOCK + torch.randint(1, own + 1, (batch,), generator=gen)
+    per_seq = -(-int(lens.max()) // BLOCK)
+    total = shared_blocks + batch * (per_seq - shared_blocks) + 3
+    order = torch.randperm(total, generator=gen)
+    common, rest = order[:shared_blocks], order[shared_blocks:]
+    own_blocks = rest[: batch * (per_seq - shared_blocks)].view(batch, -1)
+    tables = torch.cat([common.expand(batch, -1), own_blocks], dim=1)  # (B, per_seq)
+    pos = torch.arange(per_seq * BLOCK)
+    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
+    num_slots = total * BLOCK
+    k = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    v = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    unused = torch.ones(num_slots, dtype=torch.bool)
+    unused[slots[pos[None, :] < lens[:, None]]] = False
+    k[unused], v[unused] = float("nan"), float("nan")
+    q = torch.randn(batch, heads, dim, generator=gen)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), slots, lens
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "batch, shared_blocks, own, shared",
+    [(8, 20, 40, 320), (8, 20, 40, 313), (33, 3, 1, 1), (12, 40, 300, 640), (5, 2, 500, 32)],
+)
+def test_matches_the_reference(batch, shared_blocks, own, shared):
+    q, k, v, slots, lens = shared_case(batch, shared_blocks, own, seed=batch + own)
+    shared = min(shared, int(lens.min()) - 1)
+    out = cpu_cascade_decode_attention(q, k, v, slots, lens, 0.125, shared)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(
+        out.float(), reference(q, k, v, slots, lens, 0.125), atol=2e-2, rtol=0
+    )
+
+
+@needs_amx
+def test_refuses_a_prefix_the_sequences_do_not_share():
+    q, k, v, slots, lens = shared_case(8, 4, 20)
+    lens = lens.clamp(min=4 * BLOCK + 2)  # each sequence's first own slot is read too
+    with pytest.raises(ValueError, match="not the same"):
+        cpu_cascade_decode_attention(q, k, v, slots, lens, 0.125, 4 * BLOCK + 1)
+    with pytest.raises(ValueError, match="min\\(lens\\)"):
+        cpu_cascade_decode_attention(q, k, v, slots, lens, 0.125, int(lens.min()))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_cascade_decode_attention(q.float(), k.float(), v.float(), slots, lens, 0.125, 16)
+
+
+@needs_kernels
+def test_a_prior_merges_as_positions_that_came_first():
+    """The decode kernel's prior: attention over positions 0..P-1 given as (out, lse),
+    then the kernel over P..len-1, equals the kernel over all of them (fp32)."""
+    q, k, v, slots, lens = shared_case(6, 10, 300, seed=3)
+    q, k, v = q.float(), k.float(), v.float()
+    p = 100
+    scores = torch.stack([
+        torch.einsum("hd,nhd->hn", q[b], k[slots[b, :p]].repeat_interleave(3, dim=1))
+        for b in range(6)
+    ]) * 0.125  # (B, heads, P)  # fmt: skip
+    values = [v[slots[b, :p]].repeat_interleave(3, dim=1) for b in range(6)]
+    prior_out = torch.stack(
+        [torch.einsum("hn,nhd->hd", s.softmax(-1), x) for s, x in zip(scores, values)]
+    )
+    prior = (prior_out.contiguous(), scores.logsumexp(-1).contiguous())
+    out = cpu_paged_decode_attention(q, k, v, slots[:, p:], lens - p, 0.125, prior=prior)
+    torch.testing.assert_close(out, reference(q, k, v, slots, lens, 0.125), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="prior"):
+        cpu_paged_decode_attention(
+            q, k, v, slots[:, p:], lens - p, 0.125, prior=(prior[0], prior[0])
+        )
+
+
+@needs_kernels
+def test_the_rule_takes_long_prefixes_of_many_sequences_in_bf16_only():
+    q, k = torch.zeros(MIN_SEQS, 9, 64).bfloat16(), torch.zeros(4, 3, 64).bfloat16()
+    assert cascade_pays(q, k, MIN_SHARED) == amx_ready()
+    assert not cascade_pays(q, k, MIN_SHARED - 1)
+    assert not cascade_pays(q[:-1], k, MIN_SHARED)
+    assert not cascade_pays(q.float(), k.float(), MIN_SHARED)
+
+
+def test_the_decode_group_holds_every_decode_and_their_shared_prefix():
+    """Decodes of three lengths (the reference splits them into groups by length) and a
+    prompt: one decode group, each row's slots and length as its own group had them, the
+    shared prefix the blocks they share (capped so each keeps a position of its own)."""
+    tables = [[7, 8, 1], [7, 8, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11]]
+    starts, query_lens = [40, 100, 33, 0], [1, 1, 1, 20]
+    meta = build_attention_metadata(starts, query_lens, tables, BLOCK, torch.device("cpu"))
+    assert sum(g.lens is not None for g in meta.groups) >= 2  # split by length
+    group = meta.decode_group()
+    assert group is meta.decode_group()  # built once
+    assert sorted(group.rows.tolist()) == [0, 1, 2]
+    by_row = dict(zip(group.rows.tolist(), range(3)))
+    for b, row in enumerate([0, 1, 2]):
+        i = by_row[row]
+        n = starts[b] + 1
+        assert int(group.lens[i]) == n
+        expected = [tables[b][p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
+        assert group.slots[i, :n].tolist() == expected
+    assert group.shared_positions() == 2 * BLOCK
+    one = build_attention_metadata([40], [1], [[7, 8, 1]], BLOCK, torch.device("cpu"))
+    assert one.decode_group() is one.groups[0] and one.groups[0].shared_positions() == 0
+    prompt = build_attention_metadata([0], [20], [[10, 11]], BLOCK, torch.device("cpu"))
+    assert prompt.decode_group() is None
