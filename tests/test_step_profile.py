@@ -80,6 +80,18 @@ def test_decode_floor_counts_weights_kv_and_flops(tiny_model):
     assert floor.bandwidth_ms == pytest.approx(1e3 * (floor.weight_bytes + floor.kv_bytes) / 1e10)
     assert floor.floor_ms == max(floor.bandwidth_ms, floor.compute_ms)
     assert isinstance(floor, DecodeFloor) and floor.to_json()["floor_ms"] == floor.floor_ms
+    assert floor.matmul_gflop * 1e9 == pytest.approx(2 * 3 * params)  # 3 rows: 2 and 4 mean
+    assert floor.matmuls_alone_ms == {} and floor.matmuls_best_ms is None  # not timed
+
+
+def test_the_step_s_matmuls_are_timed_alone_on_every_path(tiny_model):
+    """fp32: torch's F.linear and kvlab's oneDNN linears (AMX takes bf16 only)."""
+    steps = pd.DataFrame({"phase": ["decode"], "batch_seqs": [5], "context_tokens": [50]})
+    rates = MachineRates(bandwidth_gb_s=10.0, matmul_gflop_s=50.0, dtype="float32", threads=1)
+    floor = decode_floor(tiny_model, steps, rates, time_matmuls=True)
+    assert set(floor.matmuls_alone_ms) == {"F.linear", "oneDNN"}
+    assert floor.matmuls_best_ms == min(floor.matmuls_alone_ms.values()) > 0
+    assert floor.to_json()["matmuls_best_ms"] == floor.matmuls_best_ms
 
 
 def test_machine_rates_are_positive():
@@ -95,3 +107,4 @@ def test_profile_command_prints_parts_and_floor(tiny_model_path, tmp_path, capsy
     assert main([*args, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "decode steps" in out and "matmuls" in out and "decode floor:" in out
+    assert "the step's matmuls alone" in out and "of the best rate alone" in out

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or default_max_model_len(model, requests)
     config = parse_config(args.config, kv_budget_bytes=budget, max_model_len=max_model_len)
     steps = profile_steps(model, requests, config, progress=not args.quiet)
-    floor = decode_floor(model, steps)
+    floor = decode_floor(model, steps, time_matmuls=True)
     tables = {
         phase: parts_table(steps, phase)
         for phase in ("prefill", "mixed", "decode")
@@ -75,6 +75,16 @@ def run(args: argparse.Namespace) -> int:
         f"{floor.gflop:.2f} GFLOP / {rates.matmul_gflop_s:.0f} GFLOP/s matmul rate = "
         f"{floor.compute_ms:.1f} ms; {rates.threads} torch threads)"
     )
+    if floor.matmuls_best_ms:
+        alone = ", ".join(f"{name} {ms:.1f} ms" for name, ms in floor.matmuls_alone_ms.items())
+        in_step = tables["decode"].loc["matmuls", "ms per step"]
+        rate = floor.matmul_gflop / (floor.matmuls_best_ms / 1e3)
+        print(
+            f"the step's matmuls alone ({round(floor.batch_seqs)} rows, every weight once): "
+            f"{alone}; in the step {in_step:.1f} ms, "
+            f"{100 * floor.matmuls_best_ms / in_step:.0f}% of the best rate alone "
+            f"({rate:.0f} GFLOP/s)"
+        )
     if vllm is not None:
         _print_vllm_profile(steps, *vllm)
     return 0

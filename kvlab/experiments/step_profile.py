@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 import torch
@@ -239,19 +239,57 @@ class DecodeFloor:
     bandwidth_ms: float  # (weight + kv bytes) / bandwidth
     compute_ms: float  # FLOPs / matmul rate
     rates: MachineRates
+    matmuls_alone_ms: dict[str, float] = field(default_factory=dict)  # step_matmuls: path -> ms
+    matmul_gflop: float = 0.0  # the linears' FLOPs on the step's mean rows (rounded) / 1e9
+
+    @property
+    def matmuls_best_ms(self) -> float | None:
+        """The fastest this machine runs the step's matmuls alone (its rate for the step's
+        own shapes), or None when they were not timed."""
+        return min(self.matmuls_alone_ms.values()) if self.matmuls_alone_ms else None
 
     @property
     def floor_ms(self) -> float:
         return max(self.bandwidth_ms, self.compute_ms)
 
     def to_json(self) -> dict:
-        return asdict(self) | {"floor_ms": self.floor_ms}
+        return asdict(self) | {"floor_ms": self.floor_ms, "matmuls_best_ms": self.matmuls_best_ms}
+
+
+def step_matmuls(model: LoadedModel, rows: int, repeats: int = 3) -> dict[str, float]:
+    """ms of one decode step's matmuls alone: every linear weight of the model once, on
+    `rows` rows, back to back as a step runs them (each weight read from memory, not a
+    cache), best of `repeats`, through each path this machine has: torch's F.linear,
+    kvlab's oneDNN linears (kvlab.model.linear.Linears) and, for bf16 where the tile unit
+    runs, its AMX linears (AmxLinears)."""
+    import torch.nn.functional as F
+
+    from kvlab.model.linear import AmxLinears
+    from kvlab.model.runner import ModelRunner
+
+    runner = ModelRunner(model.hf_model)
+    weights = runner.matmul_weights(runner.layers)
+    paths = {"F.linear": F.linear, "oneDNN": runner.linear}
+    fused = ModelRunner(model.hf_model, fused_ops=True).linear
+    if isinstance(fused, AmxLinears):
+        paths["AMX"] = fused
+    rows = max(1, int(rows))
+    inputs = {k: torch.randn(rows, k).to(runner.dtype) for k in {w.shape[1] for w in weights}}
+    with torch.inference_mode():
+        return {
+            name: 1e3 * _best(lambda f=f: [f(inputs[w.shape[1]], w) for w in weights], repeats)
+            for name, f in paths.items()
+        }
 
 
 def decode_floor(
-    model: LoadedModel, steps: pd.DataFrame, rates: MachineRates | None = None
+    model: LoadedModel,
+    steps: pd.DataFrame,
+    rates: MachineRates | None = None,
+    time_matmuls: bool = False,
 ) -> DecodeFloor:
-    """The decode floor of `steps` (profile_steps' decode rows) on this machine."""
+    """The decode floor of `steps` (profile_steps' decode rows) on this machine;
+    `time_matmuls`: also time the step's matmuls alone on its mean rows (step_matmuls)."""
     from kvlab.cache.codecs import CODECS
     from kvlab.model.runner import ModelRunner
 
@@ -280,4 +318,6 @@ def decode_floor(
         bandwidth_ms=1e3 * (weight_bytes + kv_bytes) / (rates.bandwidth_gb_s * 1e9),
         compute_ms=1e3 * flop / (rates.matmul_gflop_s * 1e9),
         rates=rates,
+        matmuls_alone_ms=step_matmuls(model, round(batch)) if time_matmuls else {},
+        matmul_gflop=2 * max(1, round(batch)) * weight_params / 1e9,
     )
