@@ -30,7 +30,7 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.model.attention import group_attention
 from kvlab.model.kernel_args import pool_layer
-from kvlab.model.metadata import AttentionMetadata
+from kvlab.model.metadata import AttentionGroup, AttentionMetadata
 
 
 def cpu_attention(
@@ -42,24 +42,17 @@ def cpu_attention(
     kvlab.kernels.dispatch.CPU_CODECS and the native kernels built
     (kvlab.kernels.cpu_kernels_available).
     """
-    from kvlab.kernels import cpu_paged_decode_attention, cpu_paged_prefill_attention
-    from kvlab.kernels.cpu_cascade import cascade_pays, cpu_cascade_decode_attention
+    from kvlab.kernels import cpu_paged_prefill_attention
     from kvlab.kernels.cpu_prefill import prompt_pays
 
-    out = torch.empty_like(q)
     stored = pool_layer(pool, layer)
     k_cache, v_cache = stored["k_cache"], stored["v_cache"]
     decodes = meta.decode_group()  # every decode in one call: the kernel needs no padding
+    if decodes is not None and len(decodes.lens) == q.shape[0]:  # a decode step: every row
+        return _decodes(q, k_cache, v_cache, decodes, scale)
+    out = torch.empty_like(q)
     if decodes is not None:
-        rows, shared = q[decodes.rows], decodes.shared_positions()  # (G, heads, head_dim)
-        if cascade_pays(rows, k_cache, shared):
-            out[decodes.rows] = cpu_cascade_decode_attention(
-                rows, k_cache, v_cache, decodes.slots, decodes.lens, scale, shared, verified=True
-            )
-        else:
-            out[decodes.rows] = cpu_paged_decode_attention(
-                rows, k_cache, v_cache, decodes.slots, decodes.lens, scale
-            )
+        out[decodes.rows] = _decodes(q[decodes.rows], k_cache, v_cache, decodes, scale)
     for group in (group for group in meta.groups if group.lens is None):  # the prompts
         rows = q[group.rows]  # (Q, heads, head_dim)
         if meta.window is None and prompt_pays(q, k_cache):
@@ -70,3 +63,17 @@ def cpu_attention(
         else:
             out[group.rows] = group_attention(rows, layer, pool, group, scale)
     return out
+
+
+def _decodes(q, k_cache, v_cache, decodes: AttentionGroup, scale: float) -> torch.Tensor:
+    """The decode group's attention: q (G, heads, head_dim), the group's rows -> the same.
+    Cascade attention where its sequences share a long prefix (kvlab.kernels.cpu_cascade)."""
+    from kvlab.kernels import cpu_paged_decode_attention
+    from kvlab.kernels.cpu_cascade import cascade_pays, cpu_cascade_decode_attention
+
+    shared = decodes.shared_positions()
+    if cascade_pays(q, k_cache, shared):
+        return cpu_cascade_decode_attention(
+            q, k_cache, v_cache, decodes.slots, decodes.lens, scale, shared, verified=True
+        )
+    return cpu_paged_decode_attention(q, k_cache, v_cache, decodes.slots, decodes.lens, scale)

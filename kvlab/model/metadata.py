@@ -32,7 +32,7 @@ class AttentionGroup:
     slots: torch.Tensor  # (G, S) pool slots of the context (padded as context_slots)
     mask: torch.Tensor | None  # (G, 1, Q, S) True = may attend; None = plain causal, Q == S
     lens: torch.Tensor | None = None  # (G,) int64 context of each decode; None for a prompt
-    _shared: int | None = field(default=None, repr=False)  # shared_positions(), once known
+    _shared: int | None = field(default=None, init=False, repr=False)  # shared_positions()
 
     def shared_positions(self) -> int:
         """Decodes: how many leading positions every sequence of the group reads from the
@@ -65,30 +65,32 @@ class AttentionMetadata:
     last_token_index: torch.Tensor  # (B,) row in T of each sequence's last new token
     groups: list[AttentionGroup]  # how the reference attention batches them (see below)
     window: int | None = None  # a sliding window's metadata (kvlab.model.pattern.windowed)
-    _decodes: list = field(default_factory=list, repr=False)  # decode_group(), once built
+    # decode_group(), once built; not an __init__ field, so dataclasses.replace (a window's
+    # metadata) starts its own
+    _decodes: list = field(default_factory=list, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
 
     def decode_group(self) -> AttentionGroup | None:
-        """Every decode of the step (one new token each) in one group, or None when there
-        is none: for kernels that read each sequence to its own length and so need no
-        padding to batch them (the reference's groups split decodes by length). Each
-        group's slots are padded with its last column to the widest. Built once."""
+        """Every decode of the step (one new token each) in one group, in row order, or
+        None when there is none: for kernels that read each sequence to its own length
+        and so need no padding to batch them (the reference's groups split decodes by
+        length). Each group's slots are padded with its last column to the widest. Built
+        once."""
         if not self._decodes:
             parts = [group for group in self.groups if group.lens is not None]
-            if len(parts) <= 1:
-                self._decodes.append(parts[0] if parts else None)
-            else:
-                width = max(group.slots.shape[1] for group in parts)
+            group = None
+            if parts:
+                width = max(g.slots.shape[1] for g in parts)
                 pad = [g.slots[:, -1:].expand(-1, width - g.slots.shape[1]) for g in parts]
-                slots = [torch.cat([g.slots, p], dim=1) for g, p in zip(parts, pad)]
-                self._decodes.append(AttentionGroup(
-                    rows=torch.cat([group.rows for group in parts]),
-                    slots=torch.cat(slots), mask=None,
-                    lens=torch.cat([group.lens for group in parts]),
-                ))  # fmt: skip
+                slots = torch.cat([torch.cat([g.slots, p], dim=1) for g, p in zip(parts, pad)])
+                rows = torch.cat([torch.as_tensor(g.rows) for g in parts])
+                order = rows.argsort()
+                lens = torch.cat([g.lens for g in parts])
+                group = AttentionGroup(rows[order], slots[order], None, lens[order])
+            self._decodes.append(group)
         return self._decodes[0]
 
 
