@@ -14,6 +14,8 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
     cpu_prefill.py       prompt attention on the CPU: native C (cpu_prefill.c), ctypes; a
                          batch of sequences in one call (batch-invariant mode's attention);
                          bf16 prompts on AMX tiles where the CPU has them (cpu_amx.c)
+    cpu_cascade.py       cascade attention: bf16 decodes that share a prefix attend to it
+                         once on AMX tiles (cpu_amx.c), then each to its own positions
     cpu_linear.py        a decode step's bf16 linears on AMX tiles (cpu_linear.c), each
                          weight packed once into the order the kernel streams it
     cpu_fused.py         a bf16 layer's norms with their residual adds, RoPE and SwiGLU on
