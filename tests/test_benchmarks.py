@@ -196,6 +196,24 @@ def test_cpu_kernels_quick():
     assert all(d["decode_alone_ms"] > 0 for d in (here, child))
 
 
+def test_cascade_quick():
+    """Where the CPU has AMX-BF16: cascade attention and the decode kernel agree to bf16
+    rounding on a shared prefix, both timed; elsewhere the script says why it measured
+    nothing."""
+    from kvlab.kernels import cpu_kernels_available
+    from kvlab.kernels.cpu_prefill import amx_ready
+
+    if not cpu_kernels_available():
+        pytest.skip("the native CPU kernels did not build (no C compiler?)")
+    result = load_script("cascade").main(["--quick", "--threads", "2"])
+    if not amx_ready():
+        assert "AMX" in result["skipped"]
+        return
+    (row,) = result["cascade"]
+    assert row["shared"] == 256 and row["sequences"] == 8 and row["max_abs_diff"] < 2e-2
+    assert row["decode_kernel_ms"] > 0 and row["cascade_ms"] > 0
+
+
 def test_notebook_times_quick(tmp_path, capsys):
     """--quick times only a tiny notebook it writes itself: one row, the JSON on stdout,
     the progress line and the table on stderr."""

@@ -2,8 +2,10 @@
 
     prompt_rows(cases)          each prompt kernel call against the torch reference's
     decode_after_matmul()       a decode kernel call alone and right after a matmul
+    cascade_rows(prefixes)      bf16 decodes sharing a prefix: the decode kernel against
+                                cascade attention (kvlab.kernels.cpu_cascade)
 
-Both build a paged pool with its blocks in random order and time calls alternately, best
+Each builds a paged pool with its blocks in random order and time calls alternately, best
 of `rounds`, so the two sides share the machine's state. benchmarks/cpu_kernels.py prints
 them.
 """
@@ -159,3 +161,52 @@ def decode_after_matmul(
         "decode_alone_ms": round(min(alone), 3),
         "decode_after_matmul_ms": round(min(after), 3),
     }
+
+
+def cascade_rows(
+    prefixes: list[int],
+    batch: int = 32,
+    own: int = 300,
+    rounds: int = 5,
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    seed=0,
+) -> list[dict]:
+    """For each shared prefix length P: one layer's bf16 decode attention of `batch`
+    sequences whose first P positions are the same blocks and whose own parts are 1 to
+    `own` positions more, through the decode kernel (each sequence reads the prefix) and
+    through cascade attention (the prefix once for all), alternated, best of `rounds`; the
+    largest difference between the two. Needs a CPU with AMX-BF16 (cascade_pays)."""
+    from kvlab.kernels import cpu_paged_decode_attention
+    from kvlab.kernels.cpu_cascade import cpu_cascade_decode_attention
+
+    rows = []
+    for shared in prefixes:
+        g = torch.Generator().manual_seed(seed + shared)
+        lens = shared + torch.randint(1, own + 1, (batch,), generator=g)
+        per_seq = -(-int(lens.max()) // BLOCK)
+        common = -(-shared // BLOCK)  # the prefix's blocks (its last one may be partial)
+        blocks = torch.randperm(common + batch * (per_seq - common) + 1, generator=g)
+        tables = torch.cat(
+            [blocks[:common].expand(batch, -1), blocks[common:-1].view(batch, -1)], dim=1
+        )  # (B, per_seq): the prefix's blocks first in every table
+        pos = torch.arange(per_seq * BLOCK)
+        slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK  # (B, S)
+        num_slots = len(blocks) * BLOCK
+        k, v = (torch.randn(num_slots, kv_heads, head_dim, generator=g).bfloat16() for _ in "kv")
+        q = torch.randn(batch, heads, head_dim, generator=g).bfloat16()
+        plain = partial(cpu_paged_decode_attention, q, k, v, slots, lens, head_dim**-0.5)
+        cascade = partial(cpu_cascade_decode_attention, q, k, v, slots, lens,
+                          head_dim**-0.5, shared)  # fmt: skip
+        times = {"decode kernel": [], "cascade": []}
+        for _ in range(rounds):  # alternated, so both see the machine's state
+            times["decode kernel"].append(best_ms(plain, 1))
+            times["cascade"].append(best_ms(cascade, 1))
+        diff = (plain().float() - cascade().float()).abs().max().item()
+        rows.append({
+            "sequences": batch, "shared": shared, "mean_context": float(lens.float().mean()),
+            "decode_kernel_ms": min(times["decode kernel"]), "cascade_ms": min(times["cascade"]),
+            "max_abs_diff": diff,
+        })  # fmt: skip
+    return rows
