@@ -3,6 +3,7 @@
     steps = profile_steps(model, requests, config)  # one row per step, ms per part
     parts_table(steps)                               # decode steps: ms per step, share
     floor = decode_floor(model, steps)               # bytes / bandwidth, FLOPs / rate
+    step_matmuls(model, rows=16)                     # the step's matmuls alone, per path
 
 Each part is timed by wrapping what does it, on this engine only (the wrappers go when
 the run ends); CPU work is synchronous, so wall clocks attribute it exactly (on CUDA the
@@ -21,6 +22,8 @@ times are launch times). The parts:
 The floor of a decode step on this machine is the larger of two measured quotients:
 bytes it must read (every weight once, each sequence's K/V context) over the memory
 bandwidth a large torch copy reaches, and its FLOPs over the rate a large matmul reaches.
+A decode step's few rows reach far less than that rate, so the step's own matmuls are also
+timed alone (`step_matmuls`): the fastest path there is the machine's rate for those shapes.
 """
 
 from __future__ import annotations
