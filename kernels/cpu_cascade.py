@@ -2,8 +2,8 @@
 
 When many sequences decode behind one cached prompt prefix (a shared system prompt or
 document), each one's decode attention reads that prefix's K/V again. Cascade attention
-(FlashInfer's name; vLLM's FlashAttention backend does it on GPUs, its CPU backend never)
-splits each sequence's context in two:
+(FlashInfer's name; vLLM's FlashAttention backend did it on GPUs until vLLM removed it,
+and its CPU backend never did) splits each sequence's context in two:
 
     shared   positions 0 .. P - 1, the same slots in every sequence: all B queries attend
              to them in one call, as a matrix product of (B x heads) rows against the P
@@ -15,8 +15,9 @@ splits each sequence's context in two:
 Softmax over the whole context is the two parts' softmaxes weighted by their denominators
 (the log-sum-exp merge flash attention uses between chunks), so the result is attention
 over every position; the shared part rounds its weights to bf16 for the tile unit, as the
-AMX prompt kernel does. `cascade_pays` says when to take it (vLLM's first two rules: a
-prefix of at least 256 positions and at least 8 sequences).
+AMX prompt kernel does. `cascade_pays` says when to take it (the first two rules of vLLM's
+former `use_cascade_attention`: a prefix of at least 256 positions and at least 8
+sequences).
 
 This module imports only torch and the standard library.
 """
@@ -31,7 +32,7 @@ from .cpu_build import native_function, raise_for, rows_contiguous
 from .cpu_decode import cpu_paged_decode_attention
 from .cpu_prefill import amx_ready, amx_takes
 
-MIN_SHARED = 256  # positions; vLLM's use_cascade_attention threshold
+MIN_SHARED = 256  # positions; the threshold of vLLM's former use_cascade_attention
 MIN_SEQS = 8  # sequences; likewise
 ERRORS = {1: "invalid arguments", 2: "invalid lengths", 3: "a slot out of range",
           5: "this CPU, kernel or build has no AMX-BF16"}  # fmt: skip
