@@ -22,6 +22,7 @@ from kvlab.kernels.cpu_cascade import (
 from kvlab.kernels.cpu_prefill import amx_ready
 from test_cpu_decode import BLOCK, reference
 
+from kvlab.checks.cpu_kernels import shared_prefix_case
 from kvlab.model.metadata import build_attention_metadata
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
@@ -30,27 +31,10 @@ needs_amx = pytest.mark.skipif(
 )
 
 
-def shared_case(batch, shared_blocks, own, heads=9, kv_heads=3, dim=64, seed=0):
-    """q, k, v, slots, lens: every sequence's first `shared_blocks` blocks are the same
-    blocks; then up to `own` positions of its own (at least one); unused slots NaN."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = shared_blocks * BLOCK + torch.randint(1, own + 1, (batch,), generator=gen)
-    per_seq = -(-int(lens.max()) // BLOCK)
-    total = shared_blocks + batch * (per_seq - shared_blocks) + 3
-    order = torch.randperm(total, generator=gen)
-    common, rest = order[:shared_blocks], order[shared_blocks:]
-    own_blocks = rest[: batch * (per_seq - shared_blocks)].view(batch, -1)
-    tables = torch.cat([common.expand(batch, -1), own_blocks], dim=1)  # (B, per_seq)
-    pos = torch.arange(per_seq * BLOCK)
-    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
-    num_slots = total * BLOCK
-    k = torch.randn(num_slots, kv_heads, dim, generator=gen)
-    v = torch.randn(num_slots, kv_heads, dim, generator=gen)
-    unused = torch.ones(num_slots, dtype=torch.bool)
-    unused[slots[pos[None, :] < lens[:, None]]] = False
-    k[unused], v[unused] = float("nan"), float("nan")
-    q = torch.randn(batch, heads, dim, generator=gen)
-    return q.bfloat16(), k.bfloat16(), v.bfloat16(), slots, lens
+def shared_case(batch, shared_blocks, own, seed=0):
+    """SmolLM2's attention shape, every sequence's first `shared_blocks` blocks the same
+    (kvlab.checks.cpu_kernels.shared_prefix_case: unused slots NaN)."""
+    return shared_prefix_case(batch, shared_blocks * BLOCK, own, seed=seed)
 
 
 @needs_amx

@@ -163,6 +163,30 @@ def decode_after_matmul(
     }
 
 
+def shared_prefix_case(
+    batch: int, shared: int, own: int, heads=9, kv_heads=3, head_dim=64, seed=0
+) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache (bf16), slots, lens of `batch` decodes whose first `shared`
+    positions lie in the same blocks (in random order in the pool), then 1 to `own`
+    positions each of their own; every slot no sequence reads holds NaN."""
+    g = torch.Generator().manual_seed(seed)
+    lens = shared + torch.randint(1, own + 1, (batch,), generator=g)
+    per_seq = -(-int(lens.max()) // BLOCK)
+    common = -(-shared // BLOCK)  # the prefix's blocks (its last one may be partial)
+    total = common + batch * (per_seq - common) + 3  # a few spare blocks
+    order = torch.randperm(total, generator=g)
+    own_blocks = order[common : common + batch * (per_seq - common)].view(batch, -1)
+    tables = torch.cat([order[:common].expand(batch, -1), own_blocks], dim=1)  # (B, per_seq)
+    pos = torch.arange(per_seq * BLOCK)
+    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK  # (B, S)
+    k, v = (torch.randn(total * BLOCK, kv_heads, head_dim, generator=g) for _ in "kv")
+    unused = torch.ones(total * BLOCK, dtype=torch.bool)
+    unused[slots[pos[None, :] < lens[:, None]]] = False
+    k[unused], v[unused] = float("nan"), float("nan")
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), slots, lens
+
+
 def cascade_rows(
     prefixes: list[int],
     batch: int = 32,
@@ -175,27 +199,18 @@ def cascade_rows(
 ) -> list[dict]:
     """For each shared prefix length P: one layer's bf16 decode attention of `batch`
     sequences whose first P positions are the same blocks and whose own parts are 1 to
-    `own` positions more, through the decode kernel (each sequence reads the prefix) and
-    through cascade attention (the prefix once for all), alternated, best of `rounds`; the
-    largest difference between the two. Needs a CPU with AMX-BF16 (cascade_pays)."""
+    `own` positions more (shared_prefix_case), through the decode kernel (each sequence
+    reads the prefix) and through cascade attention (the prefix once for all), alternated,
+    best of `rounds`; the largest difference between the two. Needs a CPU with AMX-BF16
+    (cascade_pays)."""
     from kvlab.kernels import cpu_paged_decode_attention
     from kvlab.kernels.cpu_cascade import cpu_cascade_decode_attention
 
     rows = []
     for shared in prefixes:
-        g = torch.Generator().manual_seed(seed + shared)
-        lens = shared + torch.randint(1, own + 1, (batch,), generator=g)
-        per_seq = -(-int(lens.max()) // BLOCK)
-        common = -(-shared // BLOCK)  # the prefix's blocks (its last one may be partial)
-        blocks = torch.randperm(common + batch * (per_seq - common) + 1, generator=g)
-        tables = torch.cat(
-            [blocks[:common].expand(batch, -1), blocks[common:-1].view(batch, -1)], dim=1
-        )  # (B, per_seq): the prefix's blocks first in every table
-        pos = torch.arange(per_seq * BLOCK)
-        slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK  # (B, S)
-        num_slots = len(blocks) * BLOCK
-        k, v = (torch.randn(num_slots, kv_heads, head_dim, generator=g).bfloat16() for _ in "kv")
-        q = torch.randn(batch, heads, head_dim, generator=g).bfloat16()
+        q, k, v, slots, lens = shared_prefix_case(
+            batch, shared, own, heads, kv_heads, head_dim, seed + shared
+        )
         plain = partial(cpu_paged_decode_attention, q, k, v, slots, lens, head_dim**-0.5)
         cascade = partial(cpu_cascade_decode_attention, q, k, v, slots, lens,
                           head_dim**-0.5, shared)  # fmt: skip
