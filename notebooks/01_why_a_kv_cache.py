@@ -136,9 +136,7 @@ show_source(decode_timings, "for _ in range(new_tokens)", "tokens.append(token)"
 # and `__wrapped__` is the function itself.)
 
 # %%
-show_source(
-    ModelRunner.forward.__wrapped__, "for index, w in enumerate", "attn = self.attention_fn"
-)
+show_source(ModelRunner.forward.__wrapped__, "for index in range", "attn = self.attention_fn")
 
 # %% [markdown]
 # `kvlab.experiments.why_cache.compare_decoding` decodes the same prompt (a paragraph of the

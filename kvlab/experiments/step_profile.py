@@ -13,7 +13,9 @@ times are launch times). The parts:
 - metadata: positions, slot mappings and attention groups built for the step;
 - kv write / kv gather: storing the new K/V in the pool, reading the context back;
 - attention: scaled-dot-product attention over what was gathered;
-- matmuls: every linear layer (QKV, O, gate/up, down, LM head);
+- matmuls: every linear layer (QKV, O, gate/up, down, LM head); where a bf16 decode
+  step's layers run in two native calls each (kvlab.kernels.cpu_layer), the time those
+  calls count inside their matmuls;
 - other forward: embedding, norms, RoPE, residual adds, SiLU;
 - sampling: logits to tokens;
 - bookkeeping: the rest of the step in Python (advancing sequences, finishing
@@ -106,11 +108,28 @@ def _instrumented(engine: Engine, clock: _Clock):
     try:
         for (owner, name), part in parts.items():
             setattr(owner, name, clock.wrap(part, getattr(owner, name)))
+        if getattr(runner, "layer_kernels", None) is not None:
+            runner.forward = _native_matmuls(clock, runner.forward)
         engine.scheduler.schedule = clock.schedule(engine.scheduler.schedule)
         yield
     finally:
         for (owner, name), fn in saved.items():
             setattr(owner, name, fn)
+
+
+def _native_matmuls(clock: _Clock, forward):
+    """`forward`, adding to the step's matmuls the time the layer calls (kvlab.kernels.
+    cpu_layer) count inside theirs."""
+    from kvlab.kernels.cpu_layer import matmul_seconds
+
+    def counted(*args, **kwargs):
+        before = matmul_seconds()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            clock.spent["matmuls"] += matmul_seconds() - before
+
+    return counted
 
 
 def _parts(spent: dict[str, float], step_s: float) -> dict[str, float]:

@@ -129,6 +129,7 @@ class ModelRunner:
         self.device, self.dtype = self.embed.device, self.embed.dtype
         self.norm, self.silu_mul, self.apply_rope = rms_norm, silu_mul, apply_rope
         self.fused_add_norm = None  # (h, delta, weight, eps) -> norm: one native call
+        self.layer_kernels = None  # a decode step's layers in two native calls each
         self.fused_ops = fused_ops and not batch_invariant and self._fused_runs(cfg)
         if self.fused_ops:
             from kvlab.kernels import cpu_fused
@@ -136,6 +137,7 @@ class ModelRunner:
             self.silu_mul, self.apply_rope = cpu_fused.cpu_silu_mul, cpu_fused.cpu_rope
             self.fused_add_norm = cpu_fused.cpu_add_rms_norm
             self.linear = self._amx_linears(fused)
+            self.layer_kernels = self._layer_kernels()
         if batch_invariant:  # every reduction in kvlab's fixed order (kvlab.model.invariant)
             from kvlab.model import invariant
 
@@ -165,6 +167,23 @@ class ModelRunner:
         if fused.amx is None:
             fused.amx = AmxLinears(self.linear, self.matmul_weights(self.layers))
         return fused.amx
+
+    def _layer_kernels(self):
+        """A fused bf16 runner's decode steps, each layer in two native calls around
+        attention (kvlab.kernels.cpu_layer), where every matmul of every layer is on AMX
+        tiles; else None."""
+        if not isinstance(self.linear, AmxLinears):
+            return None
+        from kvlab.kernels.cpu_layer import LayerKernels, PackedLayer
+
+        packed = []
+        for w in self.layers:
+            mats = [self.linear.packed.get(x.data_ptr()) for x in (w.qkv, w.o, w.gate_up, w.down)]
+            if None in mats:
+                return None
+            qkv, o, gate_up, down = mats
+            packed.append(PackedLayer(w.input_norm, qkv, w.qkv_bias, o, w.post_norm, gate_up, down))
+        return LayerKernels(packed, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
         """h += delta (the residual stream takes a sublayer's output, when there is one),
@@ -222,6 +241,33 @@ class ModelRunner:
             down=mlp.down_proj.weight,
         )
 
+    def qkv(
+        self,
+        index: int,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer `index` up to attention: h += delta (the previous MLP's output, when there
+        is one), then Q, K and V of h's norm, Q's and K's heads rotated (RoPE).
+        h, delta: (T, hidden); cos, sin: (T, head_dim) -> (T, (heads + 2 kv_heads) * head_dim)."""
+        w = self.layers[index]
+        x = self.add_norm(h, delta, w.input_norm)
+        qkv = self.linear(x, w.qkv, w.qkv_bias)  # (T, (heads + 2 kv_heads) * head_dim)
+        rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :rotated].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qkv[:, :rotated] = self.apply_rope(qk, cos, sin).flatten(1)  # Q and K rotate alike
+        return qkv
+
+    def mlp(self, index: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer `index` after attention: h += attn's O projection, then the SwiGLU MLP of
+        h's norm. h: (T, hidden); attn: (T, heads * head_dim) -> (T, hidden)."""
+        w = self.layers[index]
+        x = self.add_norm(h, self.reduce(self.linear(attn, w.o)), w.post_norm)
+        gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
+        return self.reduce(self.linear(self.silu_mul(gate, up), w.down))
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel layer's output over tensor-parallel ranks (identity here:
         one process holds every head; kvlab.parallel's ShardedRunner all-reduces)."""
@@ -259,12 +305,12 @@ class ModelRunner:
         n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         views = {}  # (group, window) -> what those layers read: the group's, or its window's
         mlp = None  # the previous layer's MLP output, which the next norm adds to h
-        for index, w in enumerate(self.layers):
-            x = self.add_norm(h, mlp, w.input_norm)
-            qkv = self.linear(x, w.qkv, w.qkv_bias)  # (T, (heads + 2 kv_heads) * head_dim)
-            qk = qkv[:, : n_q + n_kv].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = self.apply_rope(qk, cos, sin)  # Q's heads and K's rotate alike: one call
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, heads, dim) ..
+        # a bf16 decode step on AMX tiles: the same ops in two native calls a layer
+        ops = self.layer_kernels if self.layer_kernels and self.layer_kernels.takes(h) else self
+        for index in range(len(self.layers)):
+            qkv = ops.qkv(index, h, mlp, cos, sin)  # h += mlp, norm, QKV, RoPE on Q's and K's
+            q = qkv[:, :n_q].view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
+            k = qkv[:, n_q : n_q + n_kv].view(-1, self.num_kv_heads, self.head_dim)
             v = qkv[:, n_q + n_kv :].view(-1, self.num_kv_heads, self.head_dim)
             group, slot, window = *self.kv_layers[index], self.windows[index]
             pool.write(slot, metas[group].slot_mapping, k, v)
@@ -274,10 +320,7 @@ class ModelRunner:
             attn = self.attention_fn(
                 q, slot, pool, views[group, window], self.scale
             )  # (T, heads, dim)
-            attn = self.reduce(self.linear(attn.reshape(-1, n_q), w.o))  # (T, hidden)
-            x = self.add_norm(h, attn, w.post_norm)
-            gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
-            mlp = self.reduce(self.linear(self.silu_mul(gate, up), w.down))
+            mlp = ops.mlp(index, h, attn.reshape(-1, n_q))  # h += O(attn), norm, SwiGLU MLP
         h += mlp
         if logits_at is not None:
             h = h[logits_at]  # (R, hidden)
