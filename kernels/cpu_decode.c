@@ -19,6 +19,13 @@
  * e^(max_c - max)). Chunks depend only on the lengths, never on the thread count, so the
  * result is the same bits for any number of threads.
  *
+ * Shared chunks: sequences behind one cached prompt prefix read its positions through the
+ * same slots. A whole chunk that up to MAX_MEMBERS sequences read through the same slots
+ * is one task for all of them (found by its first slot, then compared slot for slot): each
+ * K and V record is loaded once for every member's query heads, the rows of a kv head's
+ * heads of all members side by side. Every row's sums run in the same order as alone, so
+ * a sequence's result is the same bits with or without company.
+ *
  * Speed: decode is memory-bound. Values are vectors of V floats (GNU vector_size; 16 with
  * AVX-512, else 8: cpu_common.h), and K/V elements are widened (bf16, fp16) as they are
  * loaded, never copied. The score pass takes TILE = V positions at a time: for each query
@@ -46,6 +53,7 @@
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
 #define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L2) */
 #define RB 4                /* query heads of one kv head scored together */
+#define MAX_MEMBERS 16      /* sequences one task serves from a chunk they share */
 
 typedef struct {
     const void *q, *k, *v;
@@ -58,19 +66,22 @@ typedef struct {
     int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
     int batch, heads, kv_heads, head_dim, group;
     float scale;
-    /* the task list: task t is chunk t - first_task[b] of sequence task_seq[t] */
-    int tasks;
-    int *task_seq, *first_task; /* (tasks,), (batch + 1,) */
-    float *partial;             /* per task of a multi-chunk sequence: (heads, head_dim + 2) */
+    /* chunk c of sequence b is partial result first_chunk[b] + c (chunks in all); a task
+     * is one chunk of one sequence or of several whose slots there are the same: task t
+     * is chunk task_chunk[t] of sequences task_seqs[task_start[t] .. task_start[t + 1]) */
+    int tasks, chunks, most_members;
+    int *first_chunk, *task_start, *task_chunk, *task_seqs; /* (batch + 1,), (tasks + 1,), .. */
+    float *partial; /* per chunk of a multi-chunk sequence: (heads, head_dim + 2) */
     const float *prior_out;     /* cascade: (B, heads, head_dim) fp32 over a shared prefix, */
     const float *prior_lse;     /* (B, heads) its log-sum-exp, merged in first; else NULL */
     int next_task;              /* the shared counter threads take tasks from */
 } Problem;
 
-typedef struct {        /* one thread's scratch, all fp32 */
-    float *q;           /* (heads, head_dim) */
-    float *acc;         /* (heads, head_dim) */
-    float *scores;      /* (heads, CHUNK) */
+typedef struct {        /* one thread's scratch, all fp32, for a task's m sequences */
+    float *q;           /* (kv_heads, m, group, head_dim): each kv head's rows side by side */
+    float *acc;         /* likewise */
+    float *scores;      /* (kv_heads, m, group, CHUNK) */
+    float *maxes, *sums; /* (kv_heads, m, group) */
 } Scratch;
 
 /* ---- vector helpers ----------------------------------------------------------------- */
@@ -206,8 +217,8 @@ static ALWAYS_INLINE void score_heads(const Problem *p, const int64_t *rows, int
 
 /* scores[h][j] = scale * q_h . k_j for the n positions j of the task */
 static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int n,
-                                     Scratch *s, int d, int dtype) {
-    const int g = p->group, kv_heads = p->kv_heads;
+                                     Scratch *s, int d, int dtype, int g) {
+    const int kv_heads = p->kv_heads;
     const int64_t stride = p->k_slot_stride, head_stride = p->k_head_stride;
     const int64_t record = (kv_heads - 1) * head_stride + d;
     for (int j = 0; j < n; j += TILE) {
@@ -230,8 +241,8 @@ static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int
 
 /* acc[h] += sum_{t < m} w[h][t] v_t over the rows of one tile, for every head */
 static ALWAYS_INLINE void accumulate(const Problem *p, Scratch *s, const int64_t *rows, int j,
-                                     int m, int d, int dtype) {
-    const int g = p->group, vec_end = d / V * V;
+                                     int m, int d, int dtype, int g) {
+    const int vec_end = d / V * V;
     for (int kvh = 0; kvh < p->kv_heads; kvh++) {
         const int64_t head = kvh * p->v_head_stride;
         for (int c = 0; c < vec_end; c += V) {
@@ -259,45 +270,54 @@ static ALWAYS_INLINE void accumulate(const Problem *p, Scratch *s, const int64_t
 
 /* acc[h] = sum_j scores[h][j] v_j over the n positions of the task */
 static ALWAYS_INLINE void value_pass(const Problem *p, const int64_t *slots, int n, Scratch *s,
-                                     int d, int dtype) {
+                                     int d, int dtype, int g) {
     const int64_t stride = p->v_slot_stride;
     const int64_t record = (p->kv_heads - 1) * p->v_head_stride + d;
-    memset(s->acc, 0, sizeof(float) * (size_t)p->heads * (size_t)d);
+    memset(s->acc, 0, sizeof(float) * (size_t)(p->kv_heads * g) * (size_t)d);
     for (int j = 0; j < n; j += TILE) {
         int64_t rows[TILE];
         tile_rows(slots, j, n, stride, p->v, p->dtype_kv, record, rows);
-        if (j + TILE <= n) accumulate(p, s, rows, j, TILE, d, dtype);
-        else accumulate(p, s, rows, j, n - j, d, dtype);
+        if (j + TILE <= n) accumulate(p, s, rows, j, TILE, d, dtype, g);
+        else accumulate(p, s, rows, j, n - j, d, dtype, g);
     }
 }
 
 static ALWAYS_INLINE void task_body(Problem *p, int task, Scratch *s, int d, int dtype) {
-    const int b = p->task_seq[task], chunk = task - p->first_task[b];
-    const int chunks = p->first_task[b + 1] - p->first_task[b];
-    const int j0 = chunk * CHUNK, len = (int)p->lens[b];
-    const int n = len - j0 < CHUNK ? len - j0 : CHUNK, heads = p->heads;
-    const int64_t *slots = p->slots + (int64_t)b * p->slots_stride + j0;
-    const int64_t q_row = (int64_t)b * heads * d;
-    for (int i = 0; i < heads * d; i++) s->q[i] = load(p->q, p->dtype_q, q_row + i);
-    score_pass(p, slots, n, s, d, dtype);
-    float maxes[MAX_HEADS], sums[MAX_HEADS];
-    for (int h = 0; h < heads; h++) {
-        float *row = s->scores + (int64_t)h * CHUNK;
-        maxes[h] = max_of(row, n);
-        sums[h] = exp_shifted(row, n, maxes[h]);
+    const int *seqs = p->task_seqs + p->task_start[task];
+    const int m = p->task_start[task + 1] - p->task_start[task], chunk = p->task_chunk[task];
+    const int j0 = chunk * CHUNK, len = (int)p->lens[seqs[0]]; /* every member's, if m > 1 */
+    const int n = len - j0 < CHUNK ? len - j0 : CHUNK, heads = p->heads, g = p->group;
+    const int gm = g * m, rows = p->kv_heads * gm; /* a kv head's rows: g per member */
+    const int64_t *slots = p->slots + (int64_t)seqs[0] * p->slots_stride + j0;
+    for (int i = 0; i < m; i++) /* row (kvh, i, r) is head kvh * g + r of member i */
+        for (int h = 0; h < heads; h++) {
+            const int64_t from = ((int64_t)seqs[i] * heads + h) * d;
+            float *to = s->q + ((int64_t)(h / g * m + i) * g + h % g) * d;
+            for (int c = 0; c < d; c++) to[c] = load(p->q, p->dtype_q, from + c);
+        }
+    score_pass(p, slots, n, s, d, dtype, gm);
+    for (int r = 0; r < rows; r++) {
+        float *row = s->scores + (int64_t)r * CHUNK;
+        s->maxes[r] = max_of(row, n);
+        s->sums[r] = exp_shifted(row, n, s->maxes[r]);
     }
-    value_pass(p, slots, n, s, d, dtype);
-    if (chunks == 1 && !p->prior_lse) {
-        for (int h = 0; h < heads; h++)
-            store(p->out, p->dtype_q, q_row + (int64_t)h * d, s->acc + (int64_t)h * d,
-                  1.0f / sums[h], d);
-        return;
-    }
-    float *part = p->partial + (int64_t)task * heads * (d + 2); /* per head: max, sum, acc */
-    for (int h = 0; h < heads; h++, part += d + 2) {
-        part[0] = maxes[h];
-        part[1] = sums[h];
-        memcpy(part + 2, s->acc + (int64_t)h * d, sizeof(float) * (size_t)d);
+    value_pass(p, slots, n, s, d, dtype, gm);
+    for (int i = 0; i < m; i++) {
+        const int b = seqs[i], chunks = p->first_chunk[b + 1] - p->first_chunk[b];
+        const int64_t q_row = (int64_t)b * heads * d;
+        /* per head: max, sum, acc */
+        float *part = p->partial + ((int64_t)(p->first_chunk[b] + chunk) * heads) * (d + 2);
+        for (int h = 0; h < heads; h++) {
+            const int r = (h / g * m + i) * g + h % g;
+            const float *acc = s->acc + (int64_t)r * d;
+            if (chunks == 1 && !p->prior_lse) {
+                store(p->out, p->dtype_q, q_row + (int64_t)h * d, acc, 1.0f / s->sums[r], d);
+                continue;
+            }
+            part[(int64_t)h * (d + 2)] = s->maxes[r];
+            part[(int64_t)h * (d + 2) + 1] = s->sums[r];
+            memcpy(part + (int64_t)h * (d + 2) + 2, acc, sizeof(float) * (size_t)d);
+        }
     }
 }
 
@@ -322,7 +342,7 @@ static void run_task(Problem *p, int task, Scratch *s) {
 /* out for sequence b from its chunks' (max, sum, acc), in chunk order (after the prior's) */
 static void merge_chunks(const Problem *p, int b, float *acc) {
     const int d = p->head_dim, heads = p->heads, stride = heads * (d + 2);
-    const int first = p->first_task[b], last = p->first_task[b + 1];
+    const int first = p->first_chunk[b], last = p->first_chunk[b + 1];
     for (int h = 0; h < heads; h++) {
         const float *part = p->partial + (int64_t)first * stride + (int64_t)h * (d + 2);
         const int64_t row = (int64_t)b * heads + h;
@@ -348,10 +368,12 @@ static void merge_chunks(const Problem *p, int b, float *acc) {
 
 /* Every task until the counter runs out; KVLAB_ENOMEM when there is no scratch. */
 static int take_tasks(Problem *p) {
-    const size_t hd = (size_t)p->heads * (size_t)p->head_dim;
-    float *buf = malloc(sizeof(float) * (2 * hd + (size_t)p->heads * CHUNK));
+    const size_t rows = (size_t)p->heads * (size_t)p->most_members;
+    const size_t hd = rows * (size_t)p->head_dim;
+    float *buf = malloc(sizeof(float) * (2 * hd + rows * (CHUNK + 2)));
     if (!buf) return KVLAB_ENOMEM;
-    Scratch s = {buf, buf + hd, buf + 2 * hd};
+    float *scores = buf + 2 * hd, *maxes = scores + rows * CHUNK;
+    Scratch s = {buf, buf + hd, scores, maxes, maxes + rows};
     for (;;) {
         const int t = __atomic_fetch_add(&p->next_task, 1, __ATOMIC_RELAXED);
         if (t >= p->tasks) break;
@@ -377,37 +399,112 @@ static int run_all(Problem *p, int num_threads) {
     return n == 1 ? take_tasks(p) : kvlab_run_parallel(n, take_tasks_work, p);
 }
 
-/* The task list and the partial results' buffer, then every task, then the merges. */
-static int run_problem(Problem *p, int num_threads) {
-    int64_t tasks = 0, partials = 0;
+/* Whether chunk c of sequences a and b is whole in both and reads the same slots. */
+static int same_chunk(const Problem *p, int a, int b, int c) {
+    const int64_t end = (int64_t)(c + 1) * CHUNK;
+    if (p->lens[a] < end || p->lens[b] < end) return 0;
+    const int64_t *x = p->slots + a * p->slots_stride + c * CHUNK;
+    const int64_t *y = p->slots + b * p->slots_stride + c * CHUNK;
+    return x[0] == y[0] && memcmp(x, y, sizeof(int64_t) * CHUNK) == 0;
+}
+
+/* The tasks: every chunk of every sequence, a chunk that several sequences read through
+ * the same slots (a shared prompt prefix's) one task for up to MAX_MEMBERS of them, so its
+ * K/V are read once for all. Chunk by chunk, each whole one looked up by its first slot in
+ * a small hash table of the chunk's tasks so far. task_of (2 chunks,) is scratch. Returns
+ * KVLAB_ENOMEM when there is no room for the table. */
+static int make_tasks(Problem *p, int *task_of) {
+    int size = 16, tasks = 0, most_chunks = 0;
+    while (size < 2 * p->batch) size *= 2;
+    int *table = malloc(sizeof(int) * (size_t)size); /* task ids, -1 empty */
+    if (!table) return KVLAB_ENOMEM;
+    int *leader = p->task_seqs; /* each task's first sequence, until the fill below */
+    p->most_members = 1;
     for (int b = 0; b < p->batch; b++) {
-        const int64_t chunks = (p->lens[b] + CHUNK - 1) / CHUNK;
-        tasks += chunks;
-        partials += chunks > 1 || p->prior_lse ? chunks : 0;
+        const int n = p->first_chunk[b + 1] - p->first_chunk[b];
+        most_chunks = n > most_chunks ? n : most_chunks;
     }
-    if (tasks > INT32_MAX) return KVLAB_EARG;
-    p->tasks = (int)tasks;
-    p->task_seq = malloc(sizeof(int) * ((size_t)tasks + (size_t)p->batch + 1));
-    p->partial = partials ? malloc(sizeof(float) * (size_t)tasks * (size_t)p->heads *
+    for (int c = 0; c < most_chunks; c++) {
+        for (int i = 0; i < size; i++) table[i] = -1;
+        for (int b = 0; b < p->batch; b++) {
+            if (c >= p->first_chunk[b + 1] - p->first_chunk[b]) continue;
+            int t = -1;
+            if (p->lens[b] >= (int64_t)(c + 1) * CHUNK) { /* a whole chunk: shared? */
+                const uint64_t key = (uint64_t)p->slots[b * p->slots_stride + c * CHUNK];
+                int at = (int)((key * 0x9E3779B97F4A7C15ull) >> 40) & (size - 1);
+                for (; table[at] >= 0; at = (at + 1) & (size - 1)) {
+                    const int u = table[at];
+                    if (p->task_start[u] < MAX_MEMBERS && same_chunk(p, leader[u], b, c)) {
+                        t = u;
+                        break;
+                    }
+                }
+                if (t < 0) table[at] = tasks; /* the next task, made below */
+            }
+            if (t < 0) {
+                t = tasks++;
+                p->task_chunk[t] = c;
+                p->task_start[t] = 0; /* members so far */
+                leader[t] = b;
+            }
+            task_of[p->first_chunk[b] + c] = t;
+            if (++p->task_start[t] > p->most_members) p->most_members = p->task_start[t];
+        }
+    }
+    free(table);
+    int at = 0; /* counts to starts, then each sequence's chunks into its task */
+    for (int t = 0; t < tasks; t++) {
+        const int count = p->task_start[t];
+        p->task_start[t] = at;
+        at += count;
+    }
+    p->task_start[tasks] = at;
+    int *next = task_of + p->chunks; /* (tasks,) fill positions */
+    memcpy(next, p->task_start, sizeof(int) * (size_t)tasks);
+    for (int b = 0; b < p->batch; b++)
+        for (int c = 0; c < p->first_chunk[b + 1] - p->first_chunk[b]; c++)
+            p->task_seqs[next[task_of[p->first_chunk[b] + c]]++] = b;
+    p->tasks = tasks;
+    return KVLAB_OK;
+}
+
+/* The tasks and the partial results' buffer, then every task, then the merges. */
+static int run_problem(Problem *p, int num_threads) {
+    int64_t chunks = 0, partials = 0;
+    for (int b = 0; b < p->batch; b++) {
+        const int64_t n = (p->lens[b] + CHUNK - 1) / CHUNK;
+        chunks += n;
+        partials += n > 1 || p->prior_lse ? n : 0;
+    }
+    if (chunks > INT32_MAX / 4) return KVLAB_EARG;
+    p->chunks = (int)chunks;
+    /* first_chunk (batch + 1), task_start (chunks + 1), task_chunk, task_seqs, task_of and
+     * its fill positions (chunks each) */
+    int *ints = malloc(sizeof(int) * ((size_t)p->batch + 2 + 5 * (size_t)chunks));
+    p->partial = partials ? malloc(sizeof(float) * (size_t)chunks * (size_t)p->heads *
                                    (size_t)(p->head_dim + 2))
                           : NULL;
     float *acc = malloc(sizeof(float) * (size_t)p->head_dim);
     int status = KVLAB_ENOMEM;
-    if (p->task_seq && acc && (p->partial || !partials)) {
-        p->first_task = p->task_seq + tasks;
-        int t = 0;
+    if (ints && acc && (p->partial || !partials)) {
+        p->first_chunk = ints;
+        p->task_start = ints + p->batch + 1;
+        p->task_chunk = p->task_start + chunks + 1;
+        p->task_seqs = p->task_chunk + chunks;
+        int at = 0;
         for (int b = 0; b < p->batch; b++) {
-            p->first_task[b] = t;
-            for (int64_t c = 0; c < (p->lens[b] + CHUNK - 1) / CHUNK; c++) p->task_seq[t++] = b;
+            p->first_chunk[b] = at;
+            at += (int)((p->lens[b] + CHUNK - 1) / CHUNK);
         }
-        p->first_task[p->batch] = t;
+        p->first_chunk[p->batch] = at;
+        status = make_tasks(p, p->task_seqs + chunks);
         p->next_task = 0;
-        status = run_all(p, num_threads);
+        if (status == KVLAB_OK) status = run_all(p, num_threads);
         for (int b = 0; status == KVLAB_OK && b < p->batch; b++)
-            if (p->first_task[b + 1] - p->first_task[b] > 1 || p->prior_lse)
+            if (p->first_chunk[b + 1] - p->first_chunk[b] > 1 || p->prior_lse)
                 merge_chunks(p, b, acc);
     }
-    free(p->task_seq);
+    free(ints);
     free(p->partial);
     free(acc);
     return status;
@@ -454,7 +551,7 @@ int kvlab_paged_decode(const void *q, const void *k, const void *v, void *out, i
     Problem p = {q, k, v, out, dtype_q, dtype_kv, slots, slots_stride, lens, max_len,
                  k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                  B, heads, kv_heads, head_dim, kv_heads > 0 ? heads / kv_heads : 0, scale,
-                 0, NULL, NULL, NULL, prior_out, prior_lse, 0};
+                 0, 0, 1, NULL, NULL, NULL, NULL, NULL, prior_out, prior_lse, 0};
     if (!prior_out != !prior_lse) return KVLAB_EARG;
     int status = check_args(&p, num_slots);
     if (status != KVLAB_OK || B == 0) return status;

@@ -176,3 +176,24 @@ def test_long_ragged_sequences_split_into_chunks():
         torch.set_num_threads(threads)
     assert torch.equal(single, multi)
     assert_matches(*paged_case(3, 8, 2, 128, torch.bfloat16, seed=14, max_len=900))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_read_through_the_same_slots_are_read_once_with_the_same_bits(dtype):
+    """A shared prompt prefix: sequences whose first positions are the same slots (all 20
+    share 300, past one 256-position chunk and past the 16 sequences one task serves; pairs
+    share 700, a second chunk) give the bits each gives alone, against the reference."""
+    q, k, v, slots, lens = paged_case(20, 9, 3, 64, dtype, seed=15, max_len=1100)
+    lens = lens.clamp(min=720)
+    lens[3] = 512  # a whole second chunk and no third
+    slots[:, :300] = slots[0, :300]
+    slots[1::2, 300:700] = slots[0::2, 300:700]  # each odd sequence shares its pair's
+    used = torch.zeros(k.shape[0], dtype=torch.bool)
+    used[slots[torch.arange(slots.shape[1])[None, :] < lens[:, None]]] = True
+    gen = torch.Generator().manual_seed(16)
+    k, v = (torch.randn(k.shape, generator=gen).to(dtype) for _ in range(2))
+    k[~used], v[~used] = float("nan"), float("nan")
+    together = assert_matches(q, k, v, slots, lens)
+    alone = torch.cat([cpu_paged_decode_attention(q[b : b + 1], k, v, slots[b : b + 1],
+                                                  lens[b : b + 1], 0.125) for b in range(20)])  # fmt: skip
+    assert torch.equal(together, alone)
