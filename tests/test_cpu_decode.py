@@ -194,6 +194,6 @@ def test_chunks_read_through_the_same_slots_are_read_once_with_the_same_bits(dty
     k, v = (torch.randn(k.shape, generator=gen).to(dtype) for _ in range(2))
     k[~used], v[~used] = float("nan"), float("nan")
     together = assert_matches(q, k, v, slots, lens)
-    alone = torch.cat([cpu_paged_decode_attention(q[b : b + 1], k, v, slots[b : b + 1],
-                                                  lens[b : b + 1], 0.125) for b in range(20)])  # fmt: skip
-    assert torch.equal(together, alone)
+    one = [slice(b, b + 1) for b in range(20)]
+    alone = [cpu_paged_decode_attention(q[b], k, v, slots[b], lens[b], 0.125) for b in one]
+    assert torch.equal(together, torch.cat(alone))
