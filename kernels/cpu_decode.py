@@ -14,6 +14,11 @@ the memory traffic. `cpu_decode.c` instead reads each K and V row once, where it
   that share its kv head (GQA). Longer sequences are split into such chunks, whose partial
   softmax results are merged by log-sum-exp; the chunks depend only on the lengths, so the
   output is bit-identical for any thread count.
+* **Shared chunks read once.** Sequences behind one cached prompt prefix reach its
+  positions through the same slots; a whole chunk that up to 16 of them read through the
+  same slots is one task for all of them, each K and V record loaded once for every
+  member's query heads. Each row's sums keep the order they have alone, so a sequence's
+  output is the same bits with or without company.
 * **Two passes, fp32.** Scores q . k_j * scale go to a (heads, chunk) fp32 buffer; each row
   gets softmax with max subtraction (a polynomial exp, ~1 ulp); the V pass accumulates
   p_j v_j in fp32 and divides by the sum. The output is rounded to q's dtype once.

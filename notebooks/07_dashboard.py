@@ -368,7 +368,8 @@ bench_figure(peers_run).show()
 # there: prompt attention (`kernels/cpu_amx.c`), a decode step's linear layers, streaming
 # each weight once from a copy packed for the tile unit (`kernels/cpu_linear.c`), and
 # cascade attention for decodes that share a long prefix (`kernels/cpu_cascade.py`); a
-# bf16 layer's norms, RoPE and SwiGLU take one call each (`kernels/cpu_fused.c`). The same
+# bf16 layer's norms, RoPE and SwiGLU take one call each (`kernels/cpu_fused.c`), and a
+# decode step's layer two native calls around attention (`kernels/cpu_layer.c`). The same
 # harness against vLLM compiled, both on the same two cores, saved runs:
 
 # %%
@@ -387,15 +388,16 @@ for name, dtype, file in [
           f"({run.provenance['date']}, {run.provenance['machine']})")  # fmt: skip
 
 # %% [markdown]
-# On that machine kvlab is **ahead** of compiled vLLM on uniform chat in both dtypes
-# (**1.05x**<!-- out --> in fp32, **1.18x**<!-- out --> in bf16) and **behind** on doc-QA
-# (**0.96x**<!-- out --> in fp32, **0.94x**<!-- out --> in bf16). Each is one run's median of
-# five rounds, and the machine moved rounds by up to 12%. Issue 48 asks for 1.2x everywhere:
-# not met. In fp32 both
-# engines run the same oneDNN matrix products and every token is equal; in bf16 each
-# engine's rounding steers greedy answers apart after a few tokens. Doc-QA spends most of
-# its decode time in attention over long contexts, which kvlab's kernel reads at about the
-# memory's speed, and its shared preamble (304 tokens) is short beside each document. These
+# On that machine kvlab is **ahead** of compiled vLLM on uniform chat in bf16
+# (**1.41x**<!-- out -->) and **level** elsewhere: uniform chat in fp32
+# (**1.06x**<!-- out -->), doc-QA in fp32 (**1.03x**<!-- out -->) and in bf16
+# (**1.02x**<!-- out -->). Each is one run's median of five rounds, within 7% of each other.
+# Issue 48 asks for 1.2x everywhere: met on bf16 uniform chat only. In fp32 both engines
+# run the same oneDNN matrix products and every token is equal; in bf16 each engine's
+# rounding steers greedy answers apart after a few tokens. Doc-QA spends half its time on
+# prompts and most of its decode time in attention over each request's own document, the
+# parts where kvlab is not yet faster than vLLM; its shared preamble (304 tokens) is short
+# beside each document. These
 # are the runs `docs/design/benchmarks.md` quotes, with where each step's time goes.
 
 # %% [markdown]

@@ -577,8 +577,8 @@ def test_clear_hidden_tests_removes_each_region_in_grade_cells_only():
         student.clear_hidden_tests("### BEGIN HIDDEN TESTS\nx = 1", True)
 
 
-@pytest.mark.parametrize("seed", [1, 2026])
-def test_graders_with_an_unseen_seed_accept_kvlab_and_reject_every_known_mistake(seed):
+def test_graders_with_an_unseen_seed_accept_kvlab_and_reject_every_known_mistake():
+    seed = 2026  # the hidden tests' (a learner sees seed 0's cases)
     for lab in NAMES:
         assert GRADERS[lab](*KVLAB_PARTS[lab], verbose=False, seed=seed).passed, (lab, seed)
     for mistake in MISTAKES:
