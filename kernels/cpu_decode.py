@@ -24,7 +24,8 @@ the memory traffic. `cpu_decode.c` instead reads each K and V row once, where it
   p_j v_j in fp32 and divides by the sum. The output is rounded to q's dtype once.
 * **Vectorised C, torch's threads.** 16-float GNU vectors (8-float without AVX-512); the
   score pass sums as many dot products' lanes together with a shuffle tree; bf16/fp16 are
-  widened as they are loaded; records a few positions ahead are prefetched into L2
+  widened as they are loaded (bf16 q and K multiply in pairs, vdpbf16ps, where the build
+  targets AVX512-BF16); records a few positions ahead are prefetched into L2
   (scattered blocks defeat the hardware prefetcher). The tasks are taken from a shared
   counter by the calling thread and `torch.get_num_threads() - 1` helpers: torch's own
   OpenMP threads where torch runs on OpenMP, else pthreads the library starts once and
