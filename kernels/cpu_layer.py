@@ -66,6 +66,7 @@ class LayerKernels:
                     raise ValueError(f"layer {i}'s norms must be ({hidden},) bf16")
         self.layers = list(layers)
         self.hidden, self.inter, self.q_dim, self.n = hidden, inter, q_dim, n
+        self.kv_dim = kv_heads * head_dim
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self._qkv = native_function("kvlab_layer_qkv", QKV)
         self._mlp = native_function("kvlab_layer_mlp", MLP)
@@ -88,10 +89,11 @@ class LayerKernels:
         delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """h += delta (in place, when given); layer `index`'s QKV of h's norm with RoPE on
-        Q's and K's heads. h, delta: (T, hidden) contiguous; cos, sin: (T, head_dim)
-        contiguous -> (T, (heads + 2 kv_heads) * head_dim)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h += delta (in place, when given); layer `index`'s Q, K and V of h's norm, Q's
+        and K's heads rotated (RoPE). h, delta: (T, hidden) contiguous; cos, sin:
+        (T, head_dim) contiguous -> views of one (T, (heads + 2 kv_heads) * head_dim)
+        output: q (T, heads, head_dim), k and v (T, kv_heads, head_dim)."""
         w, rows = self.layers[index], h.shape[0]
         out = torch.empty(rows, self.n, dtype=torch.bfloat16)
         status = self._qkv(
@@ -102,7 +104,9 @@ class LayerKernels:
             self.kv_heads, self.head_dim, torch.get_num_threads(),
         )  # fmt: skip
         raise_for(status, "LayerKernels.qkv", ERRORS)
-        return out
+        q, k, v = out.split([self.q_dim, self.kv_dim, self.kv_dim], dim=1)
+        return (q.view(rows, self.heads, self.head_dim), k.view(rows, self.kv_heads, self.head_dim),
+                v.view(rows, self.kv_heads, self.head_dim))  # fmt: skip
 
     def mlp(self, index: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """h += attn's O projection (in place); layer `index`'s MLP of h's norm.

@@ -248,17 +248,18 @@ class ModelRunner:
         delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer `index` up to attention: h += delta (the previous MLP's output, when there
         is one), then Q, K and V of h's norm, Q's and K's heads rotated (RoPE).
-        h, delta: (T, hidden); cos, sin: (T, head_dim) -> (T, (heads + 2 kv_heads) * head_dim)."""
-        w = self.layers[index]
+        h, delta: (T, hidden); cos, sin: (T, head_dim) -> q (T, heads, head_dim), k and v
+        (T, kv_heads, head_dim)."""
+        w, heads, kv_heads = self.layers[index], self.num_heads, self.num_kv_heads
         x = self.add_norm(h, delta, w.input_norm)
         qkv = self.linear(x, w.qkv, w.qkv_bias)  # (T, (heads + 2 kv_heads) * head_dim)
-        rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qk = qkv[:, :rotated].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qkv[:, :rotated] = self.apply_rope(qk, cos, sin).flatten(1)  # Q and K rotate alike
-        return qkv
+        qk = qkv[:, : (heads + kv_heads) * self.head_dim].view(-1, heads + kv_heads, self.head_dim)
+        q, k = self.apply_rope(qk, cos, sin).split([heads, kv_heads], dim=1)  # rotate alike
+        v = qkv[:, (heads + kv_heads) * self.head_dim :].view(-1, kv_heads, self.head_dim)
+        return q, k, v
 
     def mlp(self, index: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer `index` after attention: h += attn's O projection, then the SwiGLU MLP of
@@ -302,16 +303,13 @@ class ModelRunner:
         meta = metas[0]  # positions and the rows of last tokens are every group's
         h = self.embed[input_ids]  # (T, hidden): the residual stream, this step's own
         cos, sin = self.rope(meta.positions)  # (T, head_dim) each
-        n_q, n_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        n_q = self.num_heads * self.head_dim
         views = {}  # (group, window) -> what those layers read: the group's, or its window's
         mlp = None  # the previous layer's MLP output, which the next norm adds to h
         # a bf16 decode step on AMX tiles: the same ops in two native calls a layer
         ops = self.layer_kernels if self.layer_kernels and self.layer_kernels.takes(h) else self
         for index in range(len(self.layers)):
-            qkv = ops.qkv(index, h, mlp, cos, sin)  # h += mlp, norm, QKV, RoPE on Q's and K's
-            q = qkv[:, :n_q].view(-1, self.num_heads, self.head_dim)  # (T, heads, head_dim)
-            k = qkv[:, n_q : n_q + n_kv].view(-1, self.num_kv_heads, self.head_dim)
-            v = qkv[:, n_q + n_kv :].view(-1, self.num_kv_heads, self.head_dim)
+            q, k, v = ops.qkv(index, h, mlp, cos, sin)  # h += mlp, norm, QKV, RoPE on Q, K
             group, slot, window = *self.kv_layers[index], self.windows[index]
             pool.write(slot, metas[group].slot_mapping, k, v)
             if (group, window) not in views:
