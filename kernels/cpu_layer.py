@@ -112,6 +112,9 @@ class LayerKernels:
         """h += attn's O projection (in place); layer `index`'s MLP of h's norm.
         h: (T, hidden) contiguous; attn: (T, heads * head_dim), rows contiguous -> (T, hidden)."""
         w, rows = self.layers[index], h.shape[0]
+        if attn.dtype != torch.bfloat16 or attn.shape != (rows, self.q_dim):
+            raise ValueError(f"attn must be ({rows}, {self.q_dim}) bf16; got "
+                             f"{tuple(attn.shape)} {attn.dtype}")  # fmt: skip
         if attn.stride(1) != 1:
             attn = attn.contiguous()
         out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)

@@ -74,6 +74,8 @@ def test_steps_past_the_kernels_rows_take_the_per_op_path():
     h = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     assert not fast.layer_kernels.takes(h) and fast.layer_kernels.takes(h[:MAX_ROWS])
     assert not fast.layer_kernels.takes(h[:4].float())
+    with pytest.raises(ValueError, match=r"attn must be \(4, 64\) bf16"):
+        fast.layer_kernels.mlp(0, h[:4], torch.zeros(4, 64))
 
 
 def test_only_a_fused_bf16_runner_has_them():
