@@ -325,8 +325,10 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Scratch *s, int d, int
         for (int h = 0; h < heads; h++) {
             const int64_t from = ((int64_t)seqs[i] * heads + h) * d;
             const int64_t row = ((int64_t)(h / g * m + i) * g + h % g) * d;
-            for (int c = 0; c < d; c++) s->q[row + c] = load(p->q, p->dtype_q, from + c);
-            if (pairs) memcpy(s->q_bf16 + row, (const uint16_t *)p->q + from, 2 * (size_t)d);
+            if (pairs) /* the score pass reads q's bf16 values as they are */
+                memcpy(s->q_bf16 + row, (const uint16_t *)p->q + from, 2 * (size_t)d);
+            else
+                for (int c = 0; c < d; c++) s->q[row + c] = load(p->q, p->dtype_q, from + c);
         }
     score_pass(p, slots, n, s, d, dtype, gm, pairs);
     for (int r = 0; r < rows; r++) {

@@ -19,18 +19,6 @@
 #include "cpu_amx.h"
 #include "cpu_common.h"
 
-int kvlab_add_rms_norm(void *h, int64_t h_stride, const void *delta, int64_t delta_stride,
-                       const void *weight, void *out, int64_t out_stride, int64_t rows,
-                       int hidden, float eps, int num_threads);
-int kvlab_silu_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride,
-                   void *out, int64_t out_stride, int64_t rows, int inter, int num_threads);
-int kvlab_rope(const void *x, int64_t x_stride, const void *cos, const void *sin,
-               int64_t cs_stride, void *out, int64_t out_stride, int64_t rows, int heads,
-               int head_dim, int num_threads);
-int kvlab_linear_amx(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *packed,
-                     const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t n,
-                     int64_t k, int num_threads);
-
 static _Atomic uint64_t matmul_ns; /* wall time inside this file's matmuls, ever */
 
 static uint64_t now_ns(void) {
@@ -69,7 +57,8 @@ int kvlab_layer_qkv(void *h, const void *delta, const void *norm, float eps,
     if (!x) return KVLAB_ENOMEM;
     int status = kvlab_add_rms_norm(h, hidden, delta, hidden, norm, x, hidden, rows, hidden,
                                     eps, threads);
-    if (status == KVLAB_OK) status = linear(x, hidden, rows, qkv_w, qkv_b, qkv, n, hidden, threads);
+    if (status == KVLAB_OK)
+        status = linear(x, hidden, rows, qkv_w, qkv_b, qkv, n, hidden, threads);
     if (status == KVLAB_OK)
         status = kvlab_rope(qkv, n, cos, sin, cs_stride, qkv, n, rows, heads + kv_heads,
                             head_dim, threads);
