@@ -74,12 +74,13 @@ void kvlab_use_openmp(void *gomp_parallel_entry);
  * cpu_fused.c's bf16 elementwise ops and cpu_linear.c's AMX linear. */
 int kvlab_add_rms_norm(void *h, int64_t h_stride, const void *delta, int64_t delta_stride,
                        const void *weight, void *out, int64_t out_stride, int64_t rows,
-                       int hidden, float eps, int num_threads);
+                       int hidden, float eps, int num_threads, int dtype);
 int kvlab_silu_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride,
-                   void *out, int64_t out_stride, int64_t rows, int inter, int num_threads);
+                   void *out, int64_t out_stride, int64_t rows, int inter, int num_threads,
+                   int dtype);
 int kvlab_rope(const void *x, int64_t x_stride, const void *cos, const void *sin,
                int64_t cs_stride, void *out, int64_t out_stride, int64_t rows, int heads,
-               int head_dim, int num_threads);
+               int head_dim, int num_threads, int dtype);
 int kvlab_linear_amx(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *packed,
                      const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t n,
                      int64_t k, int num_threads);

@@ -56,12 +56,12 @@ int kvlab_layer_qkv(void *h, const void *delta, const void *norm, float eps,
     uint16_t *x = malloc((size_t)rows * hidden * sizeof *x);
     if (!x) return KVLAB_ENOMEM;
     int status = kvlab_add_rms_norm(h, hidden, delta, hidden, norm, x, hidden, rows, hidden,
-                                    eps, threads);
+                                    eps, threads, DT_BF16);
     if (status == KVLAB_OK)
         status = linear(x, hidden, rows, qkv_w, qkv_b, qkv, n, hidden, threads);
     if (status == KVLAB_OK)
         status = kvlab_rope(qkv, n, cos, sin, cs_stride, qkv, n, rows, heads + kv_heads,
-                            head_dim, threads);
+                            head_dim, threads, DT_BF16);
     free(x);
     return status;
 }
@@ -82,13 +82,13 @@ int kvlab_layer_mlp(void *h, const uint16_t *attn, int64_t attn_stride, const ui
     int status = linear(attn, attn_stride, rows, o_w, NULL, o, hidden, q_dim, threads);
     if (status == KVLAB_OK)
         status = kvlab_add_rms_norm(h, hidden, o, hidden, norm, x, hidden, rows, hidden, eps,
-                                    threads);
+                                    threads, DT_BF16);
     if (status == KVLAB_OK)
         status = linear(x, hidden, rows, gate_up_w, NULL, gate_up, 2 * (int64_t)inter, hidden,
                         threads);
     if (status == KVLAB_OK)
         status = kvlab_silu_mul(gate_up, 2 * (int64_t)inter, gate_up + inter, 2 * (int64_t)inter,
-                                act, inter, rows, inter, threads);
+                                act, inter, rows, inter, threads, DT_BF16);
     if (status == KVLAB_OK)
         status = linear(act, inter, rows, down_w, NULL, mlp, hidden, inter, threads);
     free(o);

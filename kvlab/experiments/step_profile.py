@@ -283,10 +283,10 @@ def step_matmuls(model: LoadedModel, rows: int, repeats: int = 3) -> dict[str, f
     `rows` rows, back to back as a step runs them (each weight read from memory, not a
     cache), best of `repeats`, through each path this machine has: torch's F.linear,
     kvlab's oneDNN linears (kvlab.model.linear.Linears) and, for bf16 where the tile unit
-    runs, its AMX linears (AmxLinears)."""
+    runs, its AMX linears (AmxLinears), for fp32 where it pays, its stream (StreamLinears)."""
     import torch.nn.functional as F
 
-    from kvlab.model.linear import AmxLinears
+    from kvlab.model.linear import AmxLinears, StreamLinears
     from kvlab.model.runner import ModelRunner
 
     runner = ModelRunner(model.hf_model)
@@ -295,6 +295,8 @@ def step_matmuls(model: LoadedModel, rows: int, repeats: int = 3) -> dict[str, f
     fused = ModelRunner(model.hf_model, fused_ops=True).linear
     if isinstance(fused, AmxLinears):
         paths["AMX"] = fused
+    elif isinstance(fused, StreamLinears):
+        paths["stream"] = fused
     rows = max(1, int(rows))
     inputs = {k: torch.randn(rows, k).to(runner.dtype) for k in {w.shape[1] for w in weights}}
     with torch.inference_mode():

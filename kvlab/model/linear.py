@@ -16,6 +16,9 @@ bf16 steps of up to 32 rows through kvlab's own AMX kernel (kvlab.kernels.cpu_li
 which streams each weight from a copy packed once in the order it reads it: on the 2-core
 Xeon kvlab is developed on, SmolLM2-135M's 121 matmuls of a 16-row step take about 12.5 ms
 (21.5 GB/s of weights) against oneDNN's 16-20 ms. Larger steps (prompts) stay on oneDNN.
+`StreamLinears` does the same for fp32 steps through kvlab's FMA stream
+(kvlab.kernels.cpu_stream) where the library is built for AVX-512. Both are
+`PackedLinears`: a kernel, the weights it takes packed once, the rest left to `linears`.
 """
 
 from __future__ import annotations
@@ -64,28 +67,91 @@ class Linears:
         return torch.ops.mkldnn._linear_pointwise(x, ordered, bias, "none", [], "")
 
 
-class AmxLinears:
-    """bf16 steps of up to 32 rows on AMX tiles (kvlab.kernels.cpu_linear), each weight the
-    kernel takes packed once; larger steps and any other weight through `linears`."""
+class PackedLinears:
+    """Steps of up to `max_rows` rows in `dtype` through one of kvlab's native kernels that
+    stream a packed weight (a subclass names it), each weight it takes packed once; larger
+    steps and any other weight through `linears`."""
+
+    dtype: torch.dtype
+    max_rows: int
 
     def __init__(self, linears: Linears, weights: Iterable[torch.Tensor]):
-        from kvlab.kernels.cpu_linear import PackedLinear, linear_fits
-
         self.linears = linears
-        self.packed = {}  # dense data_ptr -> PackedLinear
+        self.packed = {}  # dense data_ptr -> the kernel's packed copy
         self._dense: list[torch.Tensor] = []  # keeps each key's tensor alive
         for weight in weights:
-            if linear_fits(weight) and weight.data_ptr() not in self.packed:
-                self.packed[weight.data_ptr()] = PackedLinear.pack(weight.detach())
+            if self.fits(weight) and weight.data_ptr() not in self.packed:
+                self.packed[weight.data_ptr()] = self.pack(weight.detach())
                 self._dense.append(weight)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x: (T, in), weight: (out, in), bias: (out,) or None -> (T, out)."""
-        from kvlab.kernels.cpu_linear import MAX_ROWS, cpu_linear
-
         packed = self.packed.get(weight.data_ptr())
-        if packed is None or x.shape[0] > MAX_ROWS or x.dtype != torch.bfloat16:
+        if packed is None or x.shape[0] > self.max_rows or x.dtype != self.dtype:
             return self.linears(x, weight, bias)
-        return cpu_linear(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
+        return self.run(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether the kernel takes this weight."""
+        raise NotImplementedError
+
+    @staticmethod
+    def pack(weight: torch.Tensor):
+        """The weight in the order the kernel reads it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (rows, in), rows contiguous -> (rows, out)."""
+        raise NotImplementedError
+
+
+class AmxLinears(PackedLinears):
+    """bf16 steps of up to 32 rows on AMX tiles (kvlab.kernels.cpu_linear)."""
+
+    dtype, max_rows = torch.bfloat16, 32
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        from kvlab.kernels.cpu_linear import linear_fits
+
+        return linear_fits(weight)
+
+    @staticmethod
+    def pack(weight: torch.Tensor):
+        from kvlab.kernels.cpu_linear import PackedLinear
+
+        return PackedLinear.pack(weight)
+
+    @staticmethod
+    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+        from kvlab.kernels.cpu_linear import cpu_linear
+
+        return cpu_linear(x, packed, bias)
+
+
+class StreamLinears(PackedLinears):
+    """fp32 steps of up to 32 rows through kvlab's FMA stream (kvlab.kernels.cpu_stream)."""
+
+    dtype, max_rows = torch.float32, 32
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        from kvlab.kernels.cpu_stream import stream_fits
+
+        return stream_fits(weight)
+
+    @staticmethod
+    def pack(weight: torch.Tensor):
+        from kvlab.kernels.cpu_stream import PackedStream
+
+        return PackedStream.pack(weight)
+
+    @staticmethod
+    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+        from kvlab.kernels.cpu_stream import cpu_stream_linear
+
+        return cpu_stream_linear(x, packed, bias)

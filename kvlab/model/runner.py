@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention
-from kvlab.model.linear import AmxLinears, Linears
+from kvlab.model.linear import AmxLinears, Linears, StreamLinears
 from kvlab.model.metadata import AttentionMetadata
 from kvlab.model.pattern import Pattern, model_pattern, windowed
 
@@ -50,6 +50,7 @@ class FusedModel:
     layers: list[LayerWeights]
     linear: Linears | None = None
     amx: AmxLinears | None = None  # a bf16 decode step's matmuls on AMX, once first asked for
+    stream: StreamLinears | None = None  # an fp32 decode step's matmuls, once first asked for
 
 
 def kv_spec_of(config) -> KVSpec:
@@ -98,9 +99,9 @@ class ModelRunner:
         `batch_invariant`: matmuls whose rows sum in an order fixed by the row alone
         (kvlab.model.invariant); `pattern`: each layer's sliding window or None for full
         attention (kvlab.model.pattern), the model's own if not given; `fused_ops`: a bf16
-        model's norms, residual adds, RoPE and SwiGLU through the native CPU kernels
-        (kvlab.kernels.cpu_fused) where they run, one call each instead of torch's chains
-        (fp32 keeps torch's ops, and with them HF's bits)."""
+        or fp32 model's norms, residual adds, RoPE and SwiGLU through the native CPU kernels
+        (kvlab.kernels.cpu_fused) where they run, one call each instead of torch's chains,
+        and a decode step's matmuls through kvlab's own kernels where they pay."""
         cfg = hf_model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: kvlab's MLP is SwiGLU (silu)")
@@ -136,7 +137,7 @@ class ModelRunner:
 
             self.silu_mul, self.apply_rope = cpu_fused.cpu_silu_mul, cpu_fused.cpu_rope
             self.fused_add_norm = cpu_fused.cpu_add_rms_norm
-            self.linear = self._amx_linears(fused)
+            self.linear = self._packed_linears(fused)
             self.layer_kernels = self._layer_kernels()
         if batch_invariant:  # every reduction in kvlab's fixed order (kvlab.model.invariant)
             from kvlab.model import invariant
@@ -147,9 +148,9 @@ class ModelRunner:
             self.rope = invariant.InvariantRope(self.inv_freq, self.rope_scale, self.dtype)
 
     def _fused_runs(self, cfg) -> bool:
-        """Whether the fused elementwise kernels take this model: bf16 on the CPU, the
-        native kernels built, and sizes that fit their vectors."""
-        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+        """Whether the fused elementwise kernels take this model: bf16 or fp32 on the CPU,
+        the native kernels built, and sizes that fit their vectors."""
+        if self.dtype not in (torch.bfloat16, torch.float32) or self.device.type != "cpu":
             return False
         from kvlab.kernels import cpu_kernels_available
         from kvlab.kernels.cpu_fused import fused_fits
@@ -157,16 +158,22 @@ class ModelRunner:
         sizes = cfg.hidden_size, cfg.intermediate_size, self.head_dim
         return cpu_kernels_available() and fused_fits(*sizes)
 
-    def _amx_linears(self, fused: FusedModel) -> Linears | AmxLinears:
-        """A fused bf16 runner's matmuls: steps of up to 32 rows on AMX tiles where the CPU
-        has them (kvlab.model.linear.AmxLinears, packed once per model), else oneDNN's."""
+    def _packed_linears(self, fused: FusedModel) -> Linears | AmxLinears | StreamLinears:
+        """A fused runner's matmuls, packed once per model: bf16 steps of up to 32 rows on
+        AMX tiles where the CPU has them (kvlab.model.linear.AmxLinears), fp32 steps of up
+        to 32 rows through kvlab's FMA stream where it pays (StreamLinears), else oneDNN's."""
         from kvlab.kernels.cpu_prefill import amx_ready
+        from kvlab.kernels.cpu_stream import stream_pays
 
-        if not amx_ready():
-            return self.linear
-        if fused.amx is None:
-            fused.amx = AmxLinears(self.linear, self.matmul_weights(self.layers))
-        return fused.amx
+        if self.dtype == torch.bfloat16 and amx_ready():
+            if fused.amx is None:
+                fused.amx = AmxLinears(self.linear, self.matmul_weights(self.layers))
+            return fused.amx
+        if self.dtype == torch.float32 and stream_pays():
+            if fused.stream is None:
+                fused.stream = StreamLinears(self.linear, self.matmul_weights(self.layers))
+            return fused.stream
+        return self.linear
 
     def _layer_kernels(self):
         """A fused bf16 runner's decode steps, each layer in two native calls around
