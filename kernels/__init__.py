@@ -18,8 +18,10 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
                          once on AMX tiles (cpu_amx.c), then each to its own positions
     cpu_linear.py        a decode step's bf16 linears on AMX tiles (cpu_linear.c), each
                          weight packed once into the order the kernel streams it
-    cpu_fused.py         a bf16 layer's norms with their residual adds, RoPE and SwiGLU on
-                         the CPU, one native call each (cpu_fused.c)
+    cpu_stream.py        a decode step's fp32 linears on the CPU's FMAs (cpu_stream.c), each
+                         weight packed once into the order the kernel streams it
+    cpu_fused.py         a bf16 or fp32 layer's norms with their residual adds, RoPE and
+                         SwiGLU on the CPU, one native call each (cpu_fused.c)
     cpu_invariant.py     batch-invariant dot products and e^x on the CPU: native C
                          (cpu_invariant.c), each output's order fixed by its own inputs
     cpu_build.py         compiles and loads the native CPU kernels (and cpu_pool.c, their

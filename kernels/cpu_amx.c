@@ -16,8 +16,8 @@
  *             scores  S = Q K^T in 2 x 2 tiles of 16 rows x 16 positions (tmm0-3),
  *                     Q rows (tmm4-5) against Kp tiles (tmm6-7), d / 32 steps;
  *             softmax per row in fp32: scale, mask past the row's end, running max and
- *                     sum, e^x to about 1e-6 (exp_weight), weights rounded to bf16 by
- *                     vcvtneps2bf16 (the sum adds the rounded weights);
+ *                     sum, e^x as 2^t to about 3e-6 (exp2_weight), weights rounded to bf16
+ *                     by vcvtne2ps2bf16 (the sum adds the rounded weights, in pairs);
  *             values  acc += W V in 2 x 2 tiles of 16 rows x 16 dims, weights (tmm4-5)
  *                     against Vp tiles (tmm6-7), AMX_KC / 32 steps;
  *           then out = acc / sum, rounded to bf16 (nearest even).
@@ -41,7 +41,7 @@
 #include <unistd.h>
 
 #define AMX_QB 32          /* query positions per task */
-#define AMX_KC 128     /* positions per chunk: a multiple of 32 */
+#define AMX_KC 256     /* positions per chunk: a multiple of 32 */
 #define AMX_MAX_DIM 256
 #define MIN_PARALLEL (1 << 16) /* (query row, position) pairs */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -145,55 +145,61 @@ AMX static void tiles_2x2(float *c, int ldc, int load_c, const uint16_t *a, int 
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-/* e^x for x <= 0 (a score minus its row's max) to about 1e-6 relative, enough for a
- * weight rounded to bf16 (2^-9): e^x = 2^n 2^f with n = round(x log2 e), |f| <= 1/2, a
- * degree-5 Taylor polynomial for 2^f and vscalefps for 2^n. */
-AMX static inline __m512 exp_weight(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)),
-                                   _mm512_set1_ps(1.44269504088896341f));
+/* 2^t for t <= 0 (a scaled score minus its row's max, in base 2) to about 3e-6 relative,
+ * enough for a weight rounded to bf16 (2^-9): 2^t = 2^n 2^f with n = round(t), |f| <= 1/2,
+ * a degree-4 polynomial for 2^f (fitted for the least relative error) and vscalefps for
+ * 2^n, which gives 0 for the weights of masked lanes (keep) and below 2^-149. */
+AMX static inline __m512 exp2_weight(__mmask16 keep, __m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f); /* ln2^k / k!, k = 5 .. 0 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    __m512 p = _mm512_set1_ps(9.5700949182e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917859772e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024745001e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312181484e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999926139e-1f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* The lanes of positions j .. j + 15 a row that has seen `seen` positions of the chunk
+ * keeps. */
+static inline __mmask16 kept(int seen, int j) {
+    return seen - j >= 16 ? 0xffff : seen <= j ? 0 : (__mmask16)((1u << (seen - j)) - 1);
 }
 
 /* Row r's scores at positions c0 .. c0 + n - 1 (n a multiple of 32) become bf16 weights
- * (vcvtneps2bf16: nearest even), 0 past the row's end; its max, sum (of the rounded
- * weights) and accumulator move to the chunk's max. */
+ * (vcvtne2ps2bf16: nearest even), 0 past the row's end; its max, sum (of the rounded
+ * weights, in pairs: vdpbf16ps against ones) and accumulator move to the chunk's max.
+ * The max is taken over the raw scores and then scaled (scale > 0 keeps the order). */
 AMX static void softmax_row(Scratch *x, const Amx *a, int r, int c0, int n) {
     const float *s = x->s + (int64_t)r * AMX_KC;
     uint16_t *w = x->w + (int64_t)r * AMX_KC;
     const int d = a->head_dim, seen = x->end[r] - c0;
-    const int live = seen <= 0 ? 0 : seen < n ? (seen + 15) / 16 * 16 : n;
+    const int live = seen <= 0 ? 0 : seen < n ? (seen + 31) / 32 * 32 : n;
     memset(w + live, 0, sizeof(uint16_t) * (size_t)(n - live)); /* past the row's end */
     if (live == 0) return;
-    const __m512 scale = _mm512_set1_ps(a->scale);
-    __m512 top = _mm512_set1_ps(x->max[r]);
-    for (int j = 0; j < live; j += 16) {
-        const __mmask16 keep = seen - j >= 16 ? 0xffff : (__mmask16)((1u << (seen - j)) - 1);
-        top = _mm512_mask_max_ps(top, keep, top, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale));
-    }
-    const float m = _mm512_reduce_max_ps(top);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < live; j += 16)
+        top = _mm512_mask_max_ps(top, kept(seen, j), top, _mm512_loadu_ps(s + j));
+    const float m = fmaxf(_mm512_reduce_max_ps(top) * a->scale, x->max[r]);
+    const __m512 c = _mm512_set1_ps(a->scale * 1.44269504088896341f); /* to base 2 */
+    const __m512 base = _mm512_set1_ps(m * 1.44269504088896341f);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
     __m512 total = _mm512_setzero_ps();
-    for (int j = 0; j < live; j += 16) {
-        const __mmask16 keep = seen - j >= 16 ? 0xffff : (__mmask16)((1u << (seen - j)) - 1);
-        const __m512 z = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), scale, _mm512_set1_ps(m));
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, exp_weight(z)));
-        _mm256_storeu_si256((__m256i *)(w + j), h);
-        total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                         _mm512_cvtepu16_epi32(h), 16))); /* as rounded */
+    for (int j = 0; j < live; j += 32) {
+        const __m512 t_lo = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), c, base);
+        const __m512 t_hi = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), c, base);
+        const __m512 lo = exp2_weight(kept(seen, j), t_lo);
+        const __m512 hi = exp2_weight(kept(seen, j + 16), t_hi);
+        const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 weights, then hi's */
+        _mm512_storeu_si512(w + j, (__m512i)pair);
+        total = _mm512_dpbf16_ps(total, pair, ones); /* as rounded, two per lane */
     }
     const float factor = x->max[r] == -INFINITY ? 0.0f : fast_exp(x->max[r] - m);
     x->sum[r] = x->sum[r] * factor + _mm512_reduce_add_ps(total);
     x->max[r] = m;
     if (factor != 1.0f)
-        for (int c = 0; c < d; c += 16) {
-            float *acc = x->acc + (int64_t)r * d + c;
+        for (int col = 0; col < d; col += 16) {
+            float *acc = x->acc + (int64_t)r * d + col;
             _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(factor)));
         }
 }

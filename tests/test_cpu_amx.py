@@ -3,7 +3,7 @@ it is chosen.
 
 The cases reuse test_cpu_prefill's paged pool (blocks scrambled, every slot the sequence
 does not own NaN) and its fp32 reference. The shapes cross the kernel's tiles: 32 query
-positions per task (times the query heads of a kv head, padded to 32 rows), 128 key
+positions per task (times the query heads of a kv head, padded to 32 rows), 256 key
 positions per chunk, 32 per step of the tile unit, head sizes of one to eight 32-wide
 steps. The tests of the kernel itself run only where the CPU has AMX-BF16; the dispatch
 tests run everywhere.
