@@ -1,4 +1,5 @@
-"""A bf16 decoder layer's decode step around attention in two native calls (cpu_layer.c):
+"""A decoder layer's decode step around attention in two native calls (cpu_layer.c), in
+bf16 or fp32:
 
     LayerKernels.qkv(i, h, delta, cos, sin)   h += delta; norm; QKV matmul; RoPE on Q and K
     LayerKernels.mlp(i, h, attn)              O matmul; h += o; norm; gate/up; SwiGLU; down
@@ -6,8 +7,9 @@
 For a decode step's few rows each of a layer's ten small native calls costs more in Python
 (its wrapper, the ctypes call, a new tensor) than in the kernel; these two run the same
 entry points in the same order inside the library (cpu_fused.c's elementwise kernels,
-cpu_linear.c's AMX matmuls), so they give the per-op path's bits. Up to MAX_ROWS rows, on
-a CPU with AMX-BF16 (`amx_ready`); the runner takes the per-op path elsewhere.
+cpu_linear.c's AMX matmuls in bf16, cpu_stream.c's FMA stream in fp32), so they give the
+per-op path's bits. Up to MAX_ROWS rows, where the runner's matmuls are those kernels'
+(AMX-BF16 for bf16, an AVX-512 build for fp32); the runner takes the per-op path elsewhere.
 `matmul_seconds()` is the wall time these calls spent in their matmuls, ever.
 
 This module imports only torch and the standard library.
@@ -24,24 +26,33 @@ import torch
 from .cpu_build import native_function, raise_for
 from .cpu_fused import fused_fits
 from .cpu_linear import MAX_ROWS, PackedLinear
+from .cpu_stream import PackedStream
 
 ERRORS = {1: "invalid arguments", 4: "out of memory", 5: "this CPU or build has no AMX-BF16"}
 I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-QKV = [PTR, PTR, PTR, FLOAT, PTR, PTR, PTR, PTR, I64, PTR, INT, INT, INT, INT, INT, INT]
-MLP = [PTR, PTR, I64, PTR, PTR, FLOAT, PTR, PTR, PTR, INT, INT, INT, INT, INT]
+QKV = [PTR, PTR, PTR, FLOAT, PTR, PTR, PTR, PTR, I64, PTR, INT, INT, INT, INT, INT, INT, INT]
+MLP = [PTR, PTR, I64, PTR, PTR, FLOAT, PTR, PTR, PTR, INT, INT, INT, INT, INT, INT]
+CODES = {torch.bfloat16: 1, torch.float32: 0}  # cpu_common.h's dtype codes
+Packed = PackedLinear | PackedStream  # bf16 on AMX tiles, fp32 through the stream
+
+
+def _ptr(packed: Packed) -> int:
+    """The address of a packed weight's values."""
+    return (packed.tiles if isinstance(packed, PackedLinear) else packed.panels).data_ptr()
 
 
 @dataclass(frozen=True)
 class PackedLayer:
-    """One layer's weights as the calls take them: norms (hidden,) bf16, matmuls packed."""
+    """One layer's weights as the calls take them: norms (hidden,) in the model's dtype,
+    matmuls packed (bf16 for the AMX linear, fp32 for the stream)."""
 
     input_norm: torch.Tensor
-    qkv: PackedLinear  # ((heads + 2 kv_heads) * head_dim, hidden)
+    qkv: Packed  # ((heads + 2 kv_heads) * head_dim, hidden)
     qkv_bias: torch.Tensor | None  # (N,) or None
-    o: PackedLinear  # (hidden, heads * head_dim)
+    o: Packed  # (hidden, heads * head_dim)
     post_norm: torch.Tensor
-    gate_up: PackedLinear  # (2 * inter, hidden)
-    down: PackedLinear  # (hidden, inter)
+    gate_up: Packed  # (2 * inter, hidden)
+    down: Packed  # (hidden, inter)
 
 
 class LayerKernels:
@@ -50,8 +61,11 @@ class LayerKernels:
     def __init__(
         self, layers: Sequence[PackedLayer], heads: int, kv_heads: int, head_dim: int, eps: float
     ):
-        """ValueError unless every layer's shapes agree with the heads and fit the kernels."""
+        """ValueError unless every layer's shapes agree with the heads and fit the kernels,
+        and its norms and matmuls share one dtype."""
         hidden, inter = layers[0].o.n, layers[0].down.k
+        dtype = layers[0].input_norm.dtype
+        kind = PackedLinear if dtype == torch.bfloat16 else PackedStream
         q_dim, n = heads * head_dim, (heads + 2 * kv_heads) * head_dim
         if not fused_fits(hidden, inter, head_dim):
             raise ValueError(f"hidden {hidden}, intermediate {inter}, head_dim {head_dim} do "
@@ -62,20 +76,23 @@ class LayerKernels:
                 raise ValueError(f"layer {i}'s matmuls {shapes} do not fit {heads} heads, "
                                  f"{kv_heads} KV heads of {head_dim}, hidden {hidden}")  # fmt: skip
             for norm in (w.input_norm, w.post_norm):
-                if norm.shape != (hidden,) or norm.dtype != torch.bfloat16:
-                    raise ValueError(f"layer {i}'s norms must be ({hidden},) bf16")
+                if norm.shape != (hidden,) or norm.dtype != dtype or dtype not in CODES:
+                    raise ValueError(f"layer {i}'s norms must be ({hidden},), bf16 or fp32")
+            if not all(isinstance(x, kind) for x in (w.qkv, w.o, w.gate_up, w.down)):
+                raise ValueError(f"layer {i}'s matmuls must be packed as {kind.__name__}")
         self.layers = list(layers)
         self.hidden, self.inter, self.q_dim, self.n = hidden, inter, q_dim, n
         self.kv_dim = kv_heads * head_dim
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.dtype = dtype
         self._qkv = native_function("kvlab_layer_qkv", QKV)
         self._mlp = native_function("kvlab_layer_mlp", MLP)
 
     def takes(self, h: torch.Tensor) -> bool:
-        """Whether the calls take this residual stream: (1..MAX_ROWS, hidden) bf16 on the
-        CPU, contiguous (the runner's own)."""
+        """Whether the calls take this residual stream: (1..MAX_ROWS, hidden) in the
+        layers' dtype on the CPU, contiguous (the runner's own)."""
         return (
-            h.dtype == torch.bfloat16
+            h.dtype == self.dtype
             and h.device.type == "cpu"
             and h.is_contiguous()
             and 1 <= h.shape[0] <= MAX_ROWS
@@ -95,13 +112,13 @@ class LayerKernels:
         (T, head_dim) contiguous -> views of one (T, (heads + 2 kv_heads) * head_dim)
         output: q (T, heads, head_dim), k and v (T, kv_heads, head_dim)."""
         w, rows = self.layers[index], h.shape[0]
-        out = torch.empty(rows, self.n, dtype=torch.bfloat16)
+        out = torch.empty(rows, self.n, dtype=self.dtype)
         status = self._qkv(
             h.data_ptr(), None if delta is None else delta.data_ptr(),
-            w.input_norm.data_ptr(), self.eps, w.qkv.tiles.data_ptr(),
+            w.input_norm.data_ptr(), self.eps, _ptr(w.qkv),
             None if w.qkv_bias is None else w.qkv_bias.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), cos.stride(0), out.data_ptr(), rows, self.hidden, self.heads,
-            self.kv_heads, self.head_dim, torch.get_num_threads(),
+            self.kv_heads, self.head_dim, torch.get_num_threads(), CODES[self.dtype],
         )  # fmt: skip
         raise_for(status, "LayerKernels.qkv", ERRORS)
         q, k, v = out.split([self.q_dim, self.kv_dim, self.kv_dim], dim=1)
@@ -112,17 +129,16 @@ class LayerKernels:
         """h += attn's O projection (in place); layer `index`'s MLP of h's norm.
         h: (T, hidden) contiguous; attn: (T, heads * head_dim), rows contiguous -> (T, hidden)."""
         w, rows = self.layers[index], h.shape[0]
-        if attn.dtype != torch.bfloat16 or attn.shape != (rows, self.q_dim):
-            raise ValueError(f"attn must be ({rows}, {self.q_dim}) bf16; got "
+        if attn.dtype != self.dtype or attn.shape != (rows, self.q_dim):
+            raise ValueError(f"attn must be ({rows}, {self.q_dim}) {self.dtype}; got "
                              f"{tuple(attn.shape)} {attn.dtype}")  # fmt: skip
         if attn.stride(1) != 1:
             attn = attn.contiguous()
-        out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        out = torch.empty(rows, self.hidden, dtype=self.dtype)
         status = self._mlp(
-            h.data_ptr(), attn.data_ptr(), attn.stride(0), w.o.tiles.data_ptr(),
-            w.post_norm.data_ptr(), self.eps, w.gate_up.tiles.data_ptr(),
-            w.down.tiles.data_ptr(), out.data_ptr(), rows, self.hidden, self.q_dim, self.inter,
-            torch.get_num_threads(),
+            h.data_ptr(), attn.data_ptr(), attn.stride(0), _ptr(w.o), w.post_norm.data_ptr(),
+            self.eps, _ptr(w.gate_up), _ptr(w.down), out.data_ptr(), rows, self.hidden,
+            self.q_dim, self.inter, torch.get_num_threads(), CODES[self.dtype],
         )  # fmt: skip
         raise_for(status, "LayerKernels.mlp", ERRORS)
         return out

@@ -13,8 +13,8 @@ and column, so the bits do not depend on the thread count or the other rows.
 `stream_pays()` says where the runner uses it (kvlab.model.linear.StreamLinears): where
 the library is built for AVX-512, whose 32 registers hold a block of 16 rows. On the 2-core
 Xeon kvlab is developed on it runs SmolLM2-135M's 121 matmuls of a 16-row step in about
-0.7 of oneDNN's time (`kvlab profile --dtype float32` shows both); AVX2 builds (the AMD
-EPYC class) keep oneDNN until the kernel is measured there.
+three quarters of oneDNN's time (`kvlab profile --dtype float32` shows both); AVX2 builds
+(the AMD EPYC class) keep oneDNN until the kernel is measured there.
 
 This module imports only torch and the standard library.
 """

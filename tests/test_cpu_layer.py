@@ -1,6 +1,7 @@
-"""A bf16 decoder layer's decode step in two native calls (kernels/cpu_layer.c) against the
+"""A decoder layer's decode step in two native calls (kernels/cpu_layer.c) against the
 per-op fused path it replaces: the same entry points in the same order, so the same bits,
-in the logits and in every K/V the pool stores. Runs where the CPU has AMX-BF16."""
+in the logits and in every K/V the pool stores. bf16 runs where the CPU has AMX-BF16, fp32
+where the library is built for AVX-512 (the stream linear's `stream_pays`)."""
 
 from __future__ import annotations
 
@@ -10,24 +11,33 @@ from kvlab.kernels import cpu_kernels_available
 from kvlab.kernels.cpu_layer import LayerKernels, PackedLayer, matmul_seconds
 from kvlab.kernels.cpu_linear import MAX_ROWS, PackedLinear
 from kvlab.kernels.cpu_prefill import amx_ready
+from kvlab.kernels.cpu_stream import stream_pays
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvlab.cache.pool import KVPool
 from kvlab.model.metadata import build_attention_metadata
 from kvlab.model.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(
+needs_amx = pytest.mark.skipif(
     not (cpu_kernels_available() and amx_ready()), reason="needs a CPU with AMX-BF16"
 )
+needs_stream = pytest.mark.skipif(
+    not (cpu_kernels_available() and stream_pays()), reason="needs an AVX-512 build"
+)
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=needs_amx),
+    pytest.param(torch.float32, marks=needs_stream),
+]
 VOCAB = 320
 
 
-def tiny_bf16(bias: bool, vocab: int = VOCAB) -> LlamaForCausalLM:
+def tiny_bf16(bias: bool, vocab: int = VOCAB, dtype=torch.bfloat16) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab,
                          attention_bias=bias)  # fmt: skip
-    hf = LlamaForCausalLM(config).bfloat16().eval()
+    hf = LlamaForCausalLM(config).to(dtype).eval()
     if bias:  # random, so a wrong bias shows
         for layer in hf.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -52,10 +62,11 @@ def run(runner: ModelRunner, prompts: list[int], decodes: int):
     return logits, pool
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("prompts", [[3, 5, 2], [1] * MAX_ROWS])
-def test_the_layer_calls_give_the_per_op_paths_bits(bias, prompts):
-    hf = tiny_bf16(bias)
+def test_the_layer_calls_give_the_per_op_paths_bits(bias, prompts, dtype):
+    hf = tiny_bf16(bias, dtype=dtype)
     fast, per_op = ModelRunner(hf, fused_ops=True), ModelRunner(hf, fused_ops=True)
     per_op.layer_kernels = None
     assert isinstance(fast.layer_kernels, LayerKernels)
@@ -69,22 +80,26 @@ def test_the_layer_calls_give_the_per_op_paths_bits(bias, prompts):
         assert torch.equal(a[:, written], b[:, written])
 
 
+@needs_amx
 def test_steps_past_the_kernels_rows_take_the_per_op_path():
     fast = ModelRunner(tiny_bf16(False), fused_ops=True)
     h = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     assert not fast.layer_kernels.takes(h) and fast.layer_kernels.takes(h[:MAX_ROWS])
     assert not fast.layer_kernels.takes(h[:4].float())
-    with pytest.raises(ValueError, match=r"attn must be \(4, 64\) bf16"):
+    with pytest.raises(ValueError, match=r"attn must be \(4, 64\) torch.bfloat16"):
         fast.layer_kernels.mlp(0, h[:4], torch.zeros(4, 64))
 
 
-def test_only_a_fused_bf16_runner_has_them():
-    hf = tiny_bf16(False)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_only_a_fused_runner_has_them(dtype):
+    hf = tiny_bf16(False, dtype=dtype)
     assert ModelRunner(hf).layer_kernels is None
     assert ModelRunner(hf, fused_ops=True, batch_invariant=True).layer_kernels is None
-    assert ModelRunner(tiny_bf16(False).float(), fused_ops=True).layer_kernels is None
+    kernels = ModelRunner(hf, fused_ops=True).layer_kernels
+    assert kernels is not None and kernels.dtype == dtype
 
 
+@needs_amx
 def test_shapes_that_do_not_match_the_heads_are_refused():
     w = lambda n, k: PackedLinear.pack(torch.randn(n, k).bfloat16())  # noqa: E731
     norm = torch.ones(64, dtype=torch.bfloat16)
@@ -94,8 +109,13 @@ def test_shapes_that_do_not_match_the_heads_are_refused():
         LayerKernels([layer], heads=2, kv_heads=2, head_dim=32, eps=1e-5)
     with pytest.raises(ValueError, match="norms must be"):
         LayerKernels([PackedLayer(norm[:32], *[*vars(layer).values()][1:])], 2, 1, 32, 1e-5)
+    fp32 = PackedLayer(norm.float(), *[*vars(layer).values()][1:4], norm.float(),
+                       *[*vars(layer).values()][5:])  # fmt: skip
+    with pytest.raises(ValueError, match="packed as PackedStream"):
+        LayerKernels([fp32], heads=2, kv_heads=1, head_dim=32, eps=1e-5)
 
 
+@needs_amx
 def test_the_step_profile_counts_the_layer_calls_matmuls(model):
     from kvlab import EngineConfig
     from kvlab.experiments.step_profile import profile_steps

@@ -176,10 +176,10 @@ class ModelRunner:
         return self.linear
 
     def _layer_kernels(self):
-        """A fused bf16 runner's decode steps, each layer in two native calls around
-        attention (kvlab.kernels.cpu_layer), where every matmul of every layer is on AMX
-        tiles; else None."""
-        if not isinstance(self.linear, AmxLinears):
+        """A fused runner's decode steps, each layer in two native calls around attention
+        (kvlab.kernels.cpu_layer), where every matmul of every layer is packed for kvlab's
+        own kernels (AMX tiles in bf16, the stream in fp32); else None."""
+        if not isinstance(self.linear, AmxLinears | StreamLinears):
             return None
         from kvlab.kernels.cpu_layer import LayerKernels, PackedLayer
 
@@ -313,7 +313,7 @@ class ModelRunner:
         n_q = self.num_heads * self.head_dim
         views = {}  # (group, window) -> what those layers read: the group's, or its window's
         mlp = None  # the previous layer's MLP output, which the next norm adds to h
-        # a bf16 decode step on AMX tiles: the same ops in two native calls a layer
+        # a decode step on kvlab's own matmuls: the same ops in two native calls a layer
         ops = self.layer_kernels if self.layer_kernels and self.layer_kernels.takes(h) else self
         for index in range(len(self.layers)):
             q, k, v = ops.qkv(index, h, mlp, cos, sin)  # h += mlp, norm, QKV, RoPE on Q, K
