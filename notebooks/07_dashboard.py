@@ -367,10 +367,12 @@ bench_figure(peers_run).show()
 # and AMX) runs bf16 matrix products on its AMX tiles, and so do kvlab's own CPU kernels
 # there: prompt attention (`kernels/cpu_amx.c`), a decode step's linear layers, streaming
 # each weight once from a copy packed for the tile unit (`kernels/cpu_linear.c`), and
-# cascade attention for decodes that share a long prefix (`kernels/cpu_cascade.py`); a
-# bf16 layer's norms, RoPE and SwiGLU take one call each (`kernels/cpu_fused.c`), and a
-# decode step's layer two native calls around attention (`kernels/cpu_layer.c`). The same
-# harness against vLLM compiled, both on the same two cores, saved runs:
+# cascade attention for decodes that share a long prefix (`kernels/cpu_cascade.py`). In
+# fp32 a decode step's linears stream each weight once through the FMAs from a copy packed
+# in panels (`kernels/cpu_stream.c`); in both dtypes a layer's norms, RoPE and SwiGLU take
+# one call each (`kernels/cpu_fused.c`), and a decode step's layer two native calls around
+# attention (`kernels/cpu_layer.c`). The same harness against vLLM compiled, both on the
+# same two cores, saved runs:
 
 # %%
 for name, dtype, file in [
@@ -388,17 +390,16 @@ for name, dtype, file in [
           f"({run.provenance['date']}, {run.provenance['machine']})")  # fmt: skip
 
 # %% [markdown]
-# On that machine kvlab is **ahead** of compiled vLLM on uniform chat in bf16
-# (**1.41x**<!-- out -->) and **level** elsewhere: uniform chat in fp32
-# (**1.06x**<!-- out -->), doc-QA in fp32 (**1.03x**<!-- out -->) and in bf16
-# (**0.99x**<!-- out -->). Each is one run's median of five rounds, within 9% of each other.
-# Issue 48 asks for 1.2x everywhere: met on bf16 uniform chat only. In fp32 both engines
-# run the same oneDNN matrix products and every token is equal; in bf16 each engine's
-# rounding steers greedy answers apart after a few tokens. Doc-QA spends half its time on
-# prompts and most of its decode time in attention over each request's own document, the
-# parts where kvlab is not yet faster than vLLM; its shared preamble (304 tokens) is short
-# beside each document. These
-# are the runs `docs/design/benchmarks.md` quotes, with where each step's time goes.
+# On that machine kvlab is **ahead** of compiled vLLM on uniform chat in both dtypes: fp32
+# (**1.32x**<!-- out -->) and bf16 (**1.26x**<!-- out -->), past the 1.2x issue 48 asks; on
+# doc-QA it is ahead in fp32 (**1.16x**<!-- out -->) and **level** in bf16
+# (**0.96x**<!-- out -->). Each is one run's median of five rounds, on a noisy host (the
+# doc-QA rounds spread by up to 1.43). In fp32 every token is equal; in bf16 each engine's
+# rounding steers greedy answers apart after a few tokens. Doc-QA spends most of its time
+# on prompts, whose fp32 matrix products run near the CPU's peak in both engines, and in
+# bf16 on attention (the prompts', and each decode's over its own document), the parts
+# where kvlab is not yet faster than vLLM. These are the runs
+# `docs/design/benchmarks.md` quotes, with where each step's time goes.
 
 # %% [markdown]
 # ## 7 · A live check of the plumbing
