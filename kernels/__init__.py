@@ -20,6 +20,7 @@ The torch path in `kvlab.model.attention` stays the reference the whole engine i
                          weight packed once into the order the kernel streams it
     cpu_stream.py        a decode step's fp32 linears on the CPU's FMAs (cpu_stream.c), each
                          weight packed once into the order the kernel streams it
+    cpu_packed.py        what the two packed linears share: packing, checks, the call
     cpu_fused.py         a bf16 or fp32 layer's norms with their residual adds, RoPE and
                          SwiGLU on the CPU, one native call each (cpu_fused.c)
     cpu_invariant.py     batch-invariant dot products and e^x on the CPU: native C

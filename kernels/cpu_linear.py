@@ -15,19 +15,15 @@ This module imports only torch and the standard library.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from .cpu_build import native_function, raise_for
+from . import cpu_packed
 
 MAX_ROWS = 32  # rows per call: two tiles of 16
 MULTIPLE = 32  # N and K must be multiples of it
 ERRORS = {1: "invalid arguments", 5: "this CPU, kernel or build has no AMX-BF16"}
-I64, PTR = ctypes.c_int64, ctypes.c_void_p
-PACK = [PTR, I64, I64, I64, PTR]
-LINEAR = [PTR, I64, ctypes.c_int, PTR, PTR, PTR, I64, I64, I64, ctypes.c_int]
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
@@ -59,11 +55,7 @@ class PackedLinear:
                 f"on {weight.device}"
             )
         n, k = weight.shape
-        tiles = torch.empty(n * k, dtype=torch.bfloat16)
-        status = native_function("kvlab_linear_pack", PACK)(
-            weight.data_ptr(), weight.stride(0), n, k, tiles.data_ptr()
-        )
-        raise_for(status, "PackedLinear.pack", ERRORS)
+        tiles = cpu_packed.pack("kvlab_linear_pack", weight, ERRORS)
         return cls(tiles, n, k)
 
 
@@ -71,20 +63,5 @@ def cpu_linear(
     x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (rows, K) bf16, rows contiguous, rows <= MAX_ROWS -> x W^T + bias (rows, N) bf16."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
-        raise ValueError(f"x must be a (rows, K) bf16 CPU tensor with contiguous rows; got "
-                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")  # fmt: skip
-    rows, k = x.shape
-    if k != packed.k or not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"x must be (1..{MAX_ROWS}, {packed.k}); got {tuple(x.shape)}")
-    if bias is not None and (bias.shape != (packed.n,) or bias.dtype != torch.bfloat16
-                             or not bias.is_contiguous()):  # fmt: skip
-        raise ValueError(f"bias must be a contiguous ({packed.n},) bf16 tensor")
-    out = torch.empty(rows, packed.n, dtype=torch.bfloat16)
-    status = native_function("kvlab_linear_amx", LINEAR)(
-        x.data_ptr(), x.stride(0), rows, packed.tiles.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), packed.n,
-        k, torch.get_num_threads(),
-    )  # fmt: skip
-    raise_for(status, "cpu_linear", ERRORS)
-    return out
+    return cpu_packed.run("kvlab_linear_amx", x, packed.tiles, packed.n, packed.k, bias,
+                          MAX_ROWS, ERRORS)  # fmt: skip

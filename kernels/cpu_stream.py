@@ -21,19 +21,16 @@ This module imports only torch and the standard library.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from .cpu_build import native_function, raise_for
+from . import cpu_packed
+from .cpu_build import native_function
 
 MAX_ROWS = 32  # rows per call
 ERRORS = {1: "invalid arguments"}
-I64, PTR = ctypes.c_int64, ctypes.c_void_p
-PACK = [PTR, I64, I64, I64, PTR]
-LINEAR = [PTR, I64, ctypes.c_int, PTR, PTR, PTR, I64, I64, I64, ctypes.c_int]
 
 
 @functools.cache
@@ -84,11 +81,7 @@ class PackedStream:
                 f"{weight.dtype} on {weight.device}"
             )
         n, k = weight.shape
-        panels = torch.empty(n * k, dtype=torch.float32)
-        status = native_function("kvlab_stream_pack", PACK)(
-            weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr()
-        )
-        raise_for(status, "PackedStream.pack", ERRORS)
+        panels = cpu_packed.pack("kvlab_stream_pack", weight, ERRORS)
         return cls(panels, n, k)
 
 
@@ -96,20 +89,5 @@ def cpu_stream_linear(
     x: torch.Tensor, packed: PackedStream, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (rows, K) fp32, rows contiguous, rows <= MAX_ROWS -> x W^T + bias (rows, N) fp32."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
-        raise ValueError(f"x must be a (rows, K) fp32 CPU tensor with contiguous rows; got "
-                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")  # fmt: skip
-    rows, k = x.shape
-    if k != packed.k or not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"x must be (1..{MAX_ROWS}, {packed.k}); got {tuple(x.shape)}")
-    if bias is not None and (bias.shape != (packed.n,) or bias.dtype != torch.float32
-                             or not bias.is_contiguous()):  # fmt: skip
-        raise ValueError(f"bias must be a contiguous ({packed.n},) fp32 tensor")
-    out = torch.empty(rows, packed.n, dtype=torch.float32)
-    status = native_function("kvlab_stream_linear", LINEAR)(
-        x.data_ptr(), x.stride(0), rows, packed.panels.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), packed.n,
-        k, torch.get_num_threads(),
-    )  # fmt: skip
-    raise_for(status, "cpu_stream_linear", ERRORS)
-    return out
+    return cpu_packed.run("kvlab_stream_linear", x, packed.panels, packed.n, packed.k, bias,
+                          MAX_ROWS, ERRORS)  # fmt: skip

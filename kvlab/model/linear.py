@@ -23,7 +23,7 @@ Xeon kvlab is developed on, SmolLM2-135M's 121 matmuls of a 16-row step take abo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -69,19 +69,26 @@ class Linears:
 
 class PackedLinears:
     """Steps of up to `max_rows` rows in `dtype` through one of kvlab's native kernels that
-    stream a packed weight (a subclass names it), each weight it takes packed once; larger
-    steps and any other weight through `linears`."""
+    stream a packed weight (a subclass's `kernel` names it), each weight it takes packed
+    once; larger steps and any other weight through `linears`."""
 
     dtype: torch.dtype
     max_rows: int
 
+    @staticmethod
+    def kernel() -> tuple[Callable, Callable, Callable]:
+        """The kernel's fits(weight) -> bool, pack(weight) -> packed and
+        run(x, packed, bias) -> (rows, out), imported when first asked for."""
+        raise NotImplementedError
+
     def __init__(self, linears: Linears, weights: Iterable[torch.Tensor]):
         self.linears = linears
+        fits, pack, self.run = self.kernel()
         self.packed = {}  # dense data_ptr -> the kernel's packed copy
         self._dense: list[torch.Tensor] = []  # keeps each key's tensor alive
         for weight in weights:
-            if self.fits(weight) and weight.data_ptr() not in self.packed:
-                self.packed[weight.data_ptr()] = self.pack(weight.detach())
+            if fits(weight) and weight.data_ptr() not in self.packed:
+                self.packed[weight.data_ptr()] = pack(weight.detach())
                 self._dense.append(weight)
 
     def __call__(
@@ -93,21 +100,6 @@ class PackedLinears:
             return self.linears(x, weight, bias)
         return self.run(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
 
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        """Whether the kernel takes this weight."""
-        raise NotImplementedError
-
-    @staticmethod
-    def pack(weight: torch.Tensor):
-        """The weight in the order the kernel reads it."""
-        raise NotImplementedError
-
-    @staticmethod
-    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (rows, in), rows contiguous -> (rows, out)."""
-        raise NotImplementedError
-
 
 class AmxLinears(PackedLinears):
     """bf16 steps of up to 32 rows on AMX tiles (kvlab.kernels.cpu_linear)."""
@@ -115,22 +107,10 @@ class AmxLinears(PackedLinears):
     dtype, max_rows = torch.bfloat16, 32
 
     @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        from kvlab.kernels.cpu_linear import linear_fits
+    def kernel():
+        from kvlab.kernels import cpu_linear
 
-        return linear_fits(weight)
-
-    @staticmethod
-    def pack(weight: torch.Tensor):
-        from kvlab.kernels.cpu_linear import PackedLinear
-
-        return PackedLinear.pack(weight)
-
-    @staticmethod
-    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-        from kvlab.kernels.cpu_linear import cpu_linear
-
-        return cpu_linear(x, packed, bias)
+        return cpu_linear.linear_fits, cpu_linear.PackedLinear.pack, cpu_linear.cpu_linear
 
 
 class StreamLinears(PackedLinears):
@@ -139,19 +119,7 @@ class StreamLinears(PackedLinears):
     dtype, max_rows = torch.float32, 32
 
     @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        from kvlab.kernels.cpu_stream import stream_fits
+    def kernel():
+        from kvlab.kernels import cpu_stream
 
-        return stream_fits(weight)
-
-    @staticmethod
-    def pack(weight: torch.Tensor):
-        from kvlab.kernels.cpu_stream import PackedStream
-
-        return PackedStream.pack(weight)
-
-    @staticmethod
-    def run(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-        from kvlab.kernels.cpu_stream import cpu_stream_linear
-
-        return cpu_stream_linear(x, packed, bias)
+        return cpu_stream.stream_fits, cpu_stream.PackedStream.pack, cpu_stream.cpu_stream_linear
