@@ -113,7 +113,7 @@ def build_parts(
         retention = cache.retention  # H2O scores what attention reads
         scores = retention.scores if retention and retention.observes_attention else None
         attention = build_attention(config, cache.block_size, scores)
-        fused_ops = config.attention == "kernels"  # bf16 on the CPU: kvlab.kernels.cpu_fused
+        fused_ops = config.attention == "kernels"  # bf16 or fp32 on the CPU: kernels.cpu_fused
         runner = ModelRunner(hf, attention, config.batch_invariant, pattern, fused_ops)
         if cache.groups is not None:  # hybrid: each layer reads and writes its group's blocks
             runner.use_kv_groups(cache.groups)
