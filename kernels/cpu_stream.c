@@ -9,9 +9,9 @@
  *
  * A task is a run of consecutive panels; for each, blocks of up to ROWS rows keep one
  * vector of V outputs per row in registers, and for kk = 0 .. K - 1 add x[r][kk] times
- * the panel's vector kk (one FMA per row; the vector is loaded once for the block, a line
- * of the next panel's stream prefetched). A panel is read from memory once: its later row
- * blocks find it in the cache. Then the bias is added.
+ * the panel's vector kk (one FMA per row; the vector is loaded once for the block, the
+ * line PREFETCH vectors further on in the stream prefetched). A panel is read from memory
+ * once: its later row blocks find it in the cache. Then the bias is added.
  *
  * Every output is one fp32 chain of FMAs over kk in order, fixed by its row and column
  * alone, so the result is the same bits for any thread count and any rows beside it. N a
