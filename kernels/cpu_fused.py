@@ -20,7 +20,7 @@ import ctypes
 
 import torch
 
-from .cpu_build import native_function, raise_for
+from .cpu_build import DTYPES, native_function, raise_for
 
 VECTOR = 16  # row lengths must be multiples of it (a head: of two)
 ERRORS = {1: "invalid arguments"}
@@ -29,7 +29,7 @@ INT = ctypes.c_int
 NORM = [PTR, I64, PTR, I64, PTR, PTR, I64, I64, INT, ctypes.c_float, INT, INT]
 SILU = [PTR, I64, PTR, I64, PTR, I64, I64, INT, INT, INT]
 ROPE = [PTR, I64, PTR, PTR, I64, PTR, I64, I64, INT, INT, INT, INT]
-CODES = {torch.bfloat16: 1, torch.float32: 0}  # cpu_common.h's dtype codes
+FUSED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the kernels compute in
 
 
 def fused_fits(hidden: int, intermediate: int, head_dim: int) -> bool:
@@ -39,7 +39,7 @@ def fused_fits(hidden: int, intermediate: int, head_dim: int) -> bool:
 
 def _rows(t: torch.Tensor, name: str) -> None:
     """t must be (rows, n) bf16 or fp32 on the CPU with its last dim contiguous."""
-    if t.dtype not in CODES or t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1:
+    if t.dtype not in FUSED_DTYPES or t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(
             f"{name} must be a (rows, n) bf16 or fp32 CPU tensor with contiguous rows; got "
             f"{tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}"
@@ -72,7 +72,7 @@ def cpu_add_rms_norm(
         h.data_ptr(), h.stride(0),
         None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
         weight.data_ptr(), out.data_ptr(), out.stride(0), h.shape[0], h.shape[1], float(eps),
-        torch.get_num_threads(), CODES[h.dtype],
+        torch.get_num_threads(), DTYPES[h.dtype],
     )  # fmt: skip
     raise_for(status, "cpu_add_rms_norm", ERRORS)
     return out
@@ -89,7 +89,7 @@ def cpu_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype)
     status = native_function("kvlab_silu_mul", SILU)(
         gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
-        out.stride(0), gate.shape[0], gate.shape[1], torch.get_num_threads(), CODES[gate.dtype],
+        out.stride(0), gate.shape[0], gate.shape[1], torch.get_num_threads(), DTYPES[gate.dtype],
     )  # fmt: skip
     raise_for(status, "cpu_silu_mul", ERRORS)
     return out
@@ -119,7 +119,7 @@ def cpu_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     status = native_function("kvlab_rope", ROPE)(
         x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
         out.data_ptr(), out.stride(0), rows, heads, head_dim, torch.get_num_threads(),
-        CODES[x.dtype],
+        DTYPES[x.dtype],
     )  # fmt: skip
     raise_for(status, "cpu_rope", ERRORS)
     return out

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_build import native_function, raise_for
-from .cpu_fused import fused_fits
+from .cpu_build import DTYPES, native_function, raise_for
+from .cpu_fused import FUSED_DTYPES, fused_fits
 from .cpu_linear import MAX_ROWS, PackedLinear
 from .cpu_stream import PackedStream
 
@@ -32,7 +32,6 @@ ERRORS = {1: "invalid arguments", 4: "out of memory", 5: "this CPU or build has 
 I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 QKV = [PTR, PTR, PTR, FLOAT, PTR, PTR, PTR, PTR, I64, PTR, INT, INT, INT, INT, INT, INT, INT]
 MLP = [PTR, PTR, I64, PTR, PTR, FLOAT, PTR, PTR, PTR, INT, INT, INT, INT, INT, INT]
-CODES = {torch.bfloat16: 1, torch.float32: 0}  # cpu_common.h's dtype codes
 Packed = PackedLinear | PackedStream  # bf16 on AMX tiles, fp32 through the stream
 
 
@@ -76,7 +75,7 @@ class LayerKernels:
                 raise ValueError(f"layer {i}'s matmuls {shapes} do not fit {heads} heads, "
                                  f"{kv_heads} KV heads of {head_dim}, hidden {hidden}")  # fmt: skip
             for norm in (w.input_norm, w.post_norm):
-                if norm.shape != (hidden,) or norm.dtype != dtype or dtype not in CODES:
+                if norm.shape != (hidden,) or norm.dtype != dtype or dtype not in FUSED_DTYPES:
                     raise ValueError(f"layer {i}'s norms must be ({hidden},), bf16 or fp32")
             if not all(isinstance(x, kind) for x in (w.qkv, w.o, w.gate_up, w.down)):
                 raise ValueError(f"layer {i}'s matmuls must be packed as {kind.__name__}")
@@ -118,7 +117,7 @@ class LayerKernels:
             w.input_norm.data_ptr(), self.eps, _ptr(w.qkv),
             None if w.qkv_bias is None else w.qkv_bias.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), cos.stride(0), out.data_ptr(), rows, self.hidden, self.heads,
-            self.kv_heads, self.head_dim, torch.get_num_threads(), CODES[self.dtype],
+            self.kv_heads, self.head_dim, torch.get_num_threads(), DTYPES[self.dtype],
         )  # fmt: skip
         raise_for(status, "LayerKernels.qkv", ERRORS)
         q, k, v = out.split([self.q_dim, self.kv_dim, self.kv_dim], dim=1)
@@ -138,7 +137,7 @@ class LayerKernels:
         status = self._mlp(
             h.data_ptr(), attn.data_ptr(), attn.stride(0), _ptr(w.o), w.post_norm.data_ptr(),
             self.eps, _ptr(w.gate_up), _ptr(w.down), out.data_ptr(), rows, self.hidden,
-            self.q_dim, self.inter, torch.get_num_threads(), CODES[self.dtype],
+            self.q_dim, self.inter, torch.get_num_threads(), DTYPES[self.dtype],
         )  # fmt: skip
         raise_for(status, "LayerKernels.mlp", ERRORS)
         return out
