@@ -71,7 +71,8 @@ void kvlab_use_openmp(void *gomp_parallel_entry);
 
 /* Entry points one kernel file calls from another (cpu_layer.c runs a decode layer through
  * them), declared once here so that the compiler checks each definition against its use:
- * cpu_fused.c's elementwise ops, cpu_linear.c's AMX linear and cpu_stream.c's fp32 linear. */
+ * cpu_fused.c's elementwise ops, cpu_linear.c's AMX linear and cpu_stream.c's fp32 and
+ * bf16 linears. */
 int kvlab_add_rms_norm(void *h, int64_t h_stride, const void *delta, int64_t delta_stride,
                        const void *weight, void *out, int64_t out_stride, int64_t rows,
                        int hidden, float eps, int num_threads, int dtype);
@@ -87,6 +88,9 @@ int kvlab_linear_amx(const uint16_t *x, int64_t x_stride, int rows, const uint16
 int kvlab_stream_linear(const float *x, int64_t x_stride, int rows, const float *packed,
                         const float *bias, float *out, int64_t out_stride, int64_t n, int64_t k,
                         int num_threads);
+int kvlab_stream_linear_bf16(const uint16_t *x, int64_t x_stride, int rows,
+                             const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                             int64_t out_stride, int64_t n, int64_t k, int num_threads);
 
 /* ---- element conversion --------------------------------------------------------- */
 

@@ -7,9 +7,10 @@ bf16 or fp32:
 For a decode step's few rows each of a layer's ten small native calls costs more in Python
 (its wrapper, the ctypes call, a new tensor) than in the kernel; these two run the same
 entry points in the same order inside the library (cpu_fused.c's elementwise kernels,
-cpu_linear.c's AMX matmuls in bf16, cpu_stream.c's FMA stream in fp32), so they give the
-per-op path's bits. Up to MAX_ROWS rows, where the runner's matmuls are those kernels'
-(AMX-BF16 for bf16, an AVX-512 build for fp32); the runner takes the per-op path elsewhere.
+cpu_linear.c's AMX matmuls in bf16 or cpu_stream.c's stream in fp32 or bf16), so they give
+the per-op path's bits. Up to MAX_ROWS rows, where the runner's matmuls are those kernels'
+(AMX-BF16 or the stream for bf16, the stream for fp32); the runner takes the per-op path
+elsewhere.
 `matmul_seconds()` is the wall time these calls spent in their matmuls, ever.
 
 This module imports only torch and the standard library.
@@ -28,22 +29,18 @@ from .cpu_fused import FUSED_DTYPES, fused_fits
 from .cpu_linear import MAX_ROWS, PackedLinear
 from .cpu_stream import PackedStream
 
-ERRORS = {1: "invalid arguments", 4: "out of memory", 5: "this CPU or build has no AMX-BF16"}
+ERRORS = {1: "invalid arguments", 4: "out of memory", 5: "this CPU or build has no AMX-BF16 "
+          "(AVX512-BF16 for the bf16 stream)"}  # fmt: skip
 I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-QKV = [PTR, PTR, PTR, FLOAT, PTR, PTR, PTR, PTR, I64, PTR, INT, INT, INT, INT, INT, INT, INT]
-MLP = [PTR, PTR, I64, PTR, PTR, FLOAT, PTR, PTR, PTR, INT, INT, INT, INT, INT, INT]
-Packed = PackedLinear | PackedStream  # bf16 on AMX tiles, fp32 through the stream
-
-
-def _ptr(packed: Packed) -> int:
-    """The address of a packed weight's values."""
-    return (packed.tiles if isinstance(packed, PackedLinear) else packed.panels).data_ptr()
+QKV = [PTR, PTR, PTR, FLOAT, PTR, PTR, PTR, PTR, I64, PTR, INT, INT, INT, INT, INT, INT, INT, INT]
+MLP = [PTR, PTR, I64, PTR, PTR, FLOAT, PTR, PTR, PTR, INT, INT, INT, INT, INT, INT, INT]
+Packed = PackedLinear | PackedStream  # bf16 on AMX tiles, fp32 or bf16 through the stream
 
 
 @dataclass(frozen=True)
 class PackedLayer:
     """One layer's weights as the calls take them: norms (hidden,) in the model's dtype,
-    matmuls packed (bf16 for the AMX linear, fp32 for the stream)."""
+    matmuls packed in it (for the AMX linear, bf16 only, or the stream)."""
 
     input_norm: torch.Tensor
     qkv: Packed  # ((heads + 2 kv_heads) * head_dim, hidden)
@@ -61,10 +58,9 @@ class LayerKernels:
         self, layers: Sequence[PackedLayer], heads: int, kv_heads: int, head_dim: int, eps: float
     ):
         """ValueError unless every layer's shapes agree with the heads and fit the kernels,
-        and its norms and matmuls share one dtype."""
+        its norms and matmuls share one dtype and its matmuls one kernel."""
         hidden, inter = layers[0].o.n, layers[0].down.k
-        dtype = layers[0].input_norm.dtype
-        kind = PackedLinear if dtype == torch.bfloat16 else PackedStream
+        dtype, kind = layers[0].input_norm.dtype, type(layers[0].qkv)
         q_dim, n = heads * head_dim, (heads + 2 * kv_heads) * head_dim
         if not fused_fits(hidden, inter, head_dim):
             raise ValueError(f"hidden {hidden}, intermediate {inter}, head_dim {head_dim} do "
@@ -77,13 +73,15 @@ class LayerKernels:
             for norm in (w.input_norm, w.post_norm):
                 if norm.shape != (hidden,) or norm.dtype != dtype or dtype not in FUSED_DTYPES:
                     raise ValueError(f"layer {i}'s norms must be ({hidden},), bf16 or fp32")
-            if not all(isinstance(x, kind) for x in (w.qkv, w.o, w.gate_up, w.down)):
-                raise ValueError(f"layer {i}'s matmuls must be packed as {kind.__name__}")
+            mats = (w.qkv, w.o, w.gate_up, w.down)
+            if not all(type(x) is kind and x.values.dtype == dtype for x in mats):
+                raise ValueError(f"layer {i}'s matmuls must be {dtype}, all packed as "
+                                 f"{kind.__name__} (the first layer's QKV)")  # fmt: skip
         self.layers = list(layers)
         self.hidden, self.inter, self.q_dim, self.n = hidden, inter, q_dim, n
         self.kv_dim = kv_heads * head_dim
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
-        self.dtype = dtype
+        self.dtype, self.stream = dtype, int(kind is PackedStream)
         self._qkv = native_function("kvlab_layer_qkv", QKV)
         self._mlp = native_function("kvlab_layer_mlp", MLP)
 
@@ -114,10 +112,11 @@ class LayerKernels:
         out = torch.empty(rows, self.n, dtype=self.dtype)
         status = self._qkv(
             h.data_ptr(), None if delta is None else delta.data_ptr(),
-            w.input_norm.data_ptr(), self.eps, _ptr(w.qkv),
+            w.input_norm.data_ptr(), self.eps, w.qkv.values.data_ptr(),
             None if w.qkv_bias is None else w.qkv_bias.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), cos.stride(0), out.data_ptr(), rows, self.hidden, self.heads,
             self.kv_heads, self.head_dim, torch.get_num_threads(), DTYPES[self.dtype],
+            self.stream,
         )  # fmt: skip
         raise_for(status, "LayerKernels.qkv", ERRORS)
         q, k, v = out.split([self.q_dim, self.kv_dim, self.kv_dim], dim=1)
@@ -135,9 +134,10 @@ class LayerKernels:
             attn = attn.contiguous()
         out = torch.empty(rows, self.hidden, dtype=self.dtype)
         status = self._mlp(
-            h.data_ptr(), attn.data_ptr(), attn.stride(0), _ptr(w.o), w.post_norm.data_ptr(),
-            self.eps, _ptr(w.gate_up), _ptr(w.down), out.data_ptr(), rows, self.hidden,
-            self.q_dim, self.inter, torch.get_num_threads(), DTYPES[self.dtype],
+            h.data_ptr(), attn.data_ptr(), attn.stride(0), w.o.values.data_ptr(),
+            w.post_norm.data_ptr(), self.eps, w.gate_up.values.data_ptr(),
+            w.down.values.data_ptr(), out.data_ptr(), rows, self.hidden, self.q_dim, self.inter,
+            torch.get_num_threads(), DTYPES[self.dtype], self.stream,
         )  # fmt: skip
         raise_for(status, "LayerKernels.mlp", ERRORS)
         return out

@@ -45,6 +45,11 @@ class PackedLinear:
     n: int
     k: int
 
+    @property
+    def values(self) -> torch.Tensor:
+        """The packed values, whichever kernel packed them."""
+        return self.tiles
+
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PackedLinear:
         """Pack W (N, K) bf16, its rows contiguous; ValueError if `linear_fits` says no."""

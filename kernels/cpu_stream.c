@@ -1,38 +1,56 @@
-/* A decode step's fp32 linear layers: y = x W^T (+ b) for up to 32 rows, W streamed once.
+/* A decode step's linear layers: y = x W^T (+ b) for up to 32 rows, W streamed once, in
+ * fp32 on any build and in bf16 where the build has AVX512-BF16.
  *
  * With a few rows a linear layer is a stream of its weights, as in cpu_linear.c for bf16
- * on AMX tiles. Here the weights are fp32 and the products FMAs on the CPU's vectors. The
- * weights are packed once (kvlab_stream_pack) into panels of V columns (one vector), each
- * panel K vectors one after another, the order the kernel reads them:
+ * on AMX tiles. Here the products are the CPU's vector instructions. The weights are
+ * packed once into panels of V columns (one vector of fp32 outputs), each panel's K
+ * values per column one step after another, the order the kernel reads them:
  *
- *   packed[(p K + kk) V + c] = W[p V + c][kk]
+ *   fp32 (kvlab_stream_pack)       packed[(p K + kk) V + c]          = W[p V + c][kk]
+ *   bf16 (kvlab_stream_pack_bf16)  packed[((p K/2 + kp) V + c) 2 + j] = W[p V + c][2 kp + j]
  *
- * A task is a run of consecutive panels; for each, blocks of up to ROWS rows keep one
- * vector of V outputs per row in registers, and for kk = 0 .. K - 1 add x[r][kk] times
- * the panel's vector kk (one FMA per row; the vector is loaded once for the block, the
- * line PREFETCH vectors further on in the stream prefetched). A panel is read from memory
- * once: its later row blocks find it in the cache. Then the bias is added.
+ * (in bf16 each column's pair of K values side by side in 32 bits, as vdpbf16ps takes
+ * them). A task is a run of consecutive panels; for each, blocks of up to ROWS rows keep
+ * one vector of V fp32 outputs per row in registers and walk the panel's steps: fp32
+ * adds x[r][kk] times the step's vector (one FMA per row), bf16 adds x[r]'s pair kp times
+ * the step's pairs (one vdpbf16ps per row: both products, summed in fp32). The step's
+ * vector is loaded once for the block, the line PREFETCH vectors further on in the stream
+ * prefetched. A panel is read from memory once: its later row blocks find it in the
+ * cache. Then the bias is added in fp32 (bf16: and each output rounded to bf16, nearest
+ * even).
  *
- * Every output is one fp32 chain of FMAs over kk in order, fixed by its row and column
+ * Every output is one fp32 chain over the steps in order, fixed by its row and column
  * alone, so the result is the same bits for any thread count and any rows beside it. N a
- * multiple of V. On the 2-core Xeon kvlab is developed on, SmolLM2-135M's 121 matmuls for
- * 16 rows take about three quarters of oneDNN's time (`kvlab profile --dtype float32`
- * times both).
+ * multiple of V (bf16: of 16, K even). On the 2-core Xeon kvlab is developed on,
+ * SmolLM2-135M's 121 fp32 matmuls for 16 rows take about three quarters of oneDNN's time;
+ * on the 2-core AMD EPYC with AVX-512 and AVX512-BF16 (no AMX) its bf16 ones take
+ * BF16_FIGURE (`kvlab profile` times both).
  */
 
 #include "cpu_common.h"
 
+#if defined(__AVX512BF16__) && V == 16 /* vdpbf16ps: bf16 pairs multiplied, summed in fp32 */
+#include <immintrin.h>
+#define BF16_BUILT 1
+#else
+#define BF16_BUILT 0
+#endif
+
 #define STREAM_MAX_ROWS 32
 #define TASKS_PER_THREAD 4 /* runs of panels a thread takes, for balance */
 #define PREFETCH 128       /* vectors ahead in the panel's stream */
+#define KVLAB_ENOBF16 5    /* this build has no AVX512-BF16 */
 #if V == 16
 #define ROWS 16 /* rows per block: ROWS accumulators, the panel's vector and a broadcast */
 #else
 #define ROWS 12 /* of AVX2's 16 registers */
 #endif
 
-/* The vector width the kernel packs for: its panels are this many columns wide. */
-int kvlab_stream_width(void) { return V; }
+/* Columns per panel of the kernel for `dtype`: V in fp32; 16 in bf16 where the build has
+ * AVX512-BF16; 0 where there is no such kernel. */
+int kvlab_stream_width(int dtype) {
+    return dtype == DT_F32 ? V : dtype == DT_BF16 && BF16_BUILT ? 16 : 0;
+}
 
 /* W (N, K) fp32, row stride w_stride elements -> packed (N * K elements, the layout above). */
 int kvlab_stream_pack(const float *w, int64_t w_stride, int64_t n, int64_t k, float *packed) {
@@ -44,16 +62,29 @@ int kvlab_stream_pack(const float *w, int64_t w_stride, int64_t n, int64_t k, fl
     return KVLAB_OK;
 }
 
+/* W (N, K) bf16, row stride w_stride elements -> packed (N * K elements, the layout above,
+ * panels of 16 columns). */
+int kvlab_stream_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t n, int64_t k,
+                           uint16_t *packed) {
+    if (!w || !packed || n < 16 || k < 2 || n % 16 || k % 2 || w_stride < k) return KVLAB_EARG;
+    for (int64_t p = 0; p < n / 16; p++)
+        for (int64_t kp = 0; kp < k / 2; kp++)
+            for (int c = 0; c < 16; c++)
+                for (int j = 0; j < 2; j++)
+                    packed[((p * (k / 2) + kp) * 16 + c) * 2 + j] = w[(p * 16 + c) * w_stride + 2 * kp + j];
+    return KVLAB_OK;
+}
+
 typedef struct {
-    const float *x, *w, *bias;
-    float *out;
+    const void *x, *w, *bias; /* fp32, or bf16 where bf16 is 1 */
+    void *out;
     int64_t x_stride, out_stride, n, k;
-    int rows, tasks, next_task;
+    int bf16, rows, tasks, next_task;
 } Stream;
 
-/* out[r0 + r][p V ..] = x[r0 + r] . panel p (+ bias) for r < R */
+/* fp32: out[r0 + r][p V ..] = x[r0 + r] . panel p (+ bias) for r < R */
 static ALWAYS_INLINE void block(const Stream *s, int64_t p, int r0, int R) {
-    const float *w = s->w + p * s->k * V, *x = s->x + r0 * s->x_stride;
+    const float *w = (const float *)s->w + p * s->k * V, *x = (const float *)s->x + r0 * s->x_stride;
     vf acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = (vf){0};
     for (int64_t kk = 0; kk < s->k; kk++) {
@@ -61,9 +92,40 @@ static ALWAYS_INLINE void block(const Stream *s, int64_t p, int r0, int R) {
         const vf wv = load_f(w + kk * V);
         for (int r = 0; r < R; r++) acc[r] += x[r * s->x_stride + kk] * wv;
     }
-    const vf b = s->bias ? load_f(s->bias + p * V) : (vf){0};
-    for (int r = 0; r < R; r++) store_f(s->out + (r0 + r) * s->out_stride + p * V, acc[r] + b);
+    const vf b = s->bias ? load_f((const float *)s->bias + p * V) : (vf){0};
+    float *out = (float *)s->out + r0 * s->out_stride + p * V;
+    for (int r = 0; r < R; r++) store_f(out + r * s->out_stride, acc[r] + b);
 }
+
+#if BF16_BUILT
+/* bf16: the same, each step a pair of K values (vdpbf16ps), rounded to bf16 at the end */
+static ALWAYS_INLINE void block_bf16(const Stream *s, int64_t p, int r0, int R) {
+    const uint16_t *w = (const uint16_t *)s->w + p * s->k * 16;
+    const uint16_t *x = (const uint16_t *)s->x + r0 * s->x_stride;
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < s->k / 2; kp++) {
+        __builtin_prefetch(w + (kp + PREFETCH) * 32);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + kp * 32);
+        for (int r = 0; r < R; r++) {
+            int32_t pair; /* x[r][2 kp], x[r][2 kp + 1] */
+            memcpy(&pair, x + r * s->x_stride + 2 * kp, sizeof pair);
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), wv);
+        }
+    }
+    __m512 b = _mm512_setzero_ps();
+    if (s->bias) /* bf16 -> fp32: the bits shifted into the high half */
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const uint16_t *)s->bias + p * 16))), 16));
+    uint16_t *out = (uint16_t *)s->out + r0 * s->out_stride + p * 16;
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_si256((void *)(out + r * s->out_stride),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], b)));
+}
+#define BLOCK(s, p, r0, R) ((s)->bf16 ? block_bf16(s, p, r0, R) : block(s, p, r0, R))
+#else
+#define BLOCK(s, p, r0, R) block(s, p, r0, R)
+#endif
 
 static void panels(const Stream *s, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++)
@@ -71,11 +133,11 @@ static void panels(const Stream *s, int64_t p0, int64_t p1) {
             const int left = s->rows - r0;
             const int R = left >= ROWS ? ROWS : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
             switch (R) { /* a constant R keeps the accumulators in registers */
-            case ROWS: block(s, p, r0, ROWS); break;
-            case 8: block(s, p, r0, 8); break;
-            case 4: block(s, p, r0, 4); break;
-            case 2: block(s, p, r0, 2); break;
-            default: block(s, p, r0, 1); break;
+            case ROWS: BLOCK(s, p, r0, ROWS); break;
+            case 8: BLOCK(s, p, r0, 8); break;
+            case 4: BLOCK(s, p, r0, 4); break;
+            case 2: BLOCK(s, p, r0, 2); break;
+            default: BLOCK(s, p, r0, 1); break;
             }
             r0 += R;
         }
@@ -83,7 +145,7 @@ static void panels(const Stream *s, int64_t p0, int64_t p1) {
 
 static int stream_tasks(void *arg) {
     Stream *s = arg;
-    const int64_t count = s->n / V;
+    const int64_t count = s->n / (s->bf16 ? 16 : V);
     for (;;) {
         const int task = __atomic_fetch_add(&s->next_task, 1, __ATOMIC_RELAXED);
         if (task >= s->tasks) return KVLAB_OK;
@@ -91,18 +153,33 @@ static int stream_tasks(void *arg) {
     }
 }
 
+static int run(Stream s, int num_threads) {
+    const int64_t width = s.bf16 ? 16 : V, count = s.n / width;
+    if (!s.x || !s.w || !s.out || s.rows < 1 || s.rows > STREAM_MAX_ROWS || s.n < width ||
+        s.n % width || s.k < 1 || (s.bf16 && s.k % 2) || s.x_stride < s.k || s.out_stride < s.n)
+        return KVLAB_EARG;
+    const int threads = num_threads < 1 ? 1 : num_threads;
+    s.tasks = (int)(count < threads * TASKS_PER_THREAD ? count : threads * TASKS_PER_THREAD);
+    return kvlab_run_parallel(threads < s.tasks ? threads : s.tasks, stream_tasks, &s);
+}
+
 /* x (rows, K) fp32, row stride x_stride; packed: kvlab_stream_pack's W (N, K); bias (N,)
  * fp32 or NULL; out (rows, N) fp32, row stride out_stride. Returns 0 or KVLAB_EARG. */
 int kvlab_stream_linear(const float *x, int64_t x_stride, int rows, const float *packed,
                         const float *bias, float *out, int64_t out_stride, int64_t n, int64_t k,
                         int num_threads) {
-    if (!x || !packed || !out || rows < 1 || rows > STREAM_MAX_ROWS || n < V || n % V ||
-        k < 1 || x_stride < k || out_stride < n)
-        return KVLAB_EARG;
-    Stream s = {.x = x, .w = packed, .bias = bias, .out = out, .x_stride = x_stride,
-                .out_stride = out_stride, .n = n, .k = k, .rows = rows};
-    const int64_t count = n / V;
-    const int threads = num_threads < 1 ? 1 : num_threads;
-    s.tasks = (int)(count < threads * TASKS_PER_THREAD ? count : threads * TASKS_PER_THREAD);
-    return kvlab_run_parallel(threads < s.tasks ? threads : s.tasks, stream_tasks, &s);
+    return run((Stream){.x = x, .w = packed, .bias = bias, .out = out, .x_stride = x_stride,
+                        .out_stride = out_stride, .n = n, .k = k, .rows = rows},
+               num_threads);
+}
+
+/* The same in bf16: x, bias and out bf16, packed by kvlab_stream_pack_bf16. Returns 0,
+ * KVLAB_EARG, or KVLAB_ENOBF16 where the build has no AVX512-BF16. */
+int kvlab_stream_linear_bf16(const uint16_t *x, int64_t x_stride, int rows,
+                             const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                             int64_t out_stride, int64_t n, int64_t k, int num_threads) {
+    if (!BF16_BUILT) return KVLAB_ENOBF16;
+    return run((Stream){.x = x, .w = packed, .bias = bias, .out = out, .x_stride = x_stride,
+                        .out_stride = out_stride, .n = n, .k = k, .bf16 = 1, .rows = rows},
+               num_threads);
 }

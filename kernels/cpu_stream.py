@@ -1,93 +1,115 @@
-"""A decode step's fp32 linear layers (cpu_stream.c): y = x W^T + b for up to 32 rows,
-each weight packed once into the order the kernel streams it.
+"""A decode step's linear layers streamed (cpu_stream.c): y = x W^T + b for up to 32 rows,
+in fp32, or in bf16 where the build has AVX512-BF16, each weight packed once into the
+order the kernel streams it.
 
-    PackedStream.pack(weight)        W (N, K) fp32 -> its panels (N a multiple of
-                                     stream_width())
-    cpu_stream_linear(x, packed, b)  (rows, K) -> (rows, N) fp32, rows <= MAX_ROWS
+    PackedStream.pack(weight)        W (N, K) fp32 or bf16 -> its panels (N a multiple of
+                                     stream_width(dtype); bf16: K even)
+    cpu_stream_linear(x, packed, b)  (rows, K) -> (rows, N) in W's dtype, rows <= MAX_ROWS
 
 With a few rows a linear layer takes as long as reading its weights, so the kernel is a
-stream: each weight is read once from memory and multiplied by every row, one FMA chain
-per output in the order of K. Every output's sum runs in an order fixed by its own row
-and column, so the bits do not depend on the thread count or the other rows.
+stream: each weight is read once from memory and multiplied by every row, one fp32 chain
+per output in the order of K (an FMA per value in fp32, a vdpbf16ps per pair in bf16,
+rounded to bf16 once at the end). Every output's sum runs in an order fixed by its own
+row and column, so the bits do not depend on the thread count or the other rows.
 
-`stream_pays()` says where the runner uses it (kvlab.model.linear.StreamLinears): where
-the library is built for AVX-512, whose 32 registers hold a block of 16 rows. On the 2-core
-Xeon kvlab is developed on it runs SmolLM2-135M's 121 matmuls of a 16-row step in about
-three quarters of oneDNN's time (`kvlab profile --dtype float32` shows both); AVX2 builds
-(the AMD EPYC class) keep oneDNN until the kernel is measured there.
+`stream_pays(dtype)` says where the runner uses it (kvlab.model.linear.StreamLinears):
+where the library is built for AVX-512, whose 32 registers hold a block of 16 rows (bf16:
+and AVX512-BF16; the runner prefers the AMX linears where the CPU has AMX). On the 2-core
+Xeon kvlab is developed on it runs SmolLM2-135M's 121 fp32 matmuls of a 16-row step in
+about three quarters of oneDNN's time, and on the 2-core AMD EPYC with AVX-512 and
+AVX512-BF16 (no AMX) its bf16 ones in about 0.7 of oneDNN's time (`kvlab profile` shows
+both); AVX2 builds keep oneDNN until the kernel is measured there.
 
 This module imports only torch and the standard library.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
 import torch
 
 from . import cpu_packed
-from .cpu_build import native_function
+from .cpu_build import DTYPES, native_function
 
 MAX_ROWS = 32  # rows per call
-ERRORS = {1: "invalid arguments"}
+ERRORS = {1: "invalid arguments", 5: "this build has no AVX512-BF16"}
+ENTRIES = {  # dtype -> (pack, linear)
+    torch.float32: ("kvlab_stream_pack", "kvlab_stream_linear"),
+    torch.bfloat16: ("kvlab_stream_pack_bf16", "kvlab_stream_linear_bf16"),
+}
 
 
 @functools.cache
-def stream_width() -> int:
-    """Columns per panel: the library's floats per vector (16 with AVX-512, else 8); 0
-    without the library."""
+def stream_width(dtype: torch.dtype = torch.float32) -> int:
+    """Columns per panel of the kernel for `dtype`: fp32, the library's floats per vector
+    (16 with AVX-512, else 8); bf16, 16 where the build has AVX512-BF16; 0 where there is
+    no such kernel or no library."""
+    if dtype not in DTYPES:
+        return 0
     try:
-        return int(native_function("kvlab_stream_width", [])())
+        return int(native_function("kvlab_stream_width", [ctypes.c_int])(DTYPES[dtype]))
     except RuntimeError:  # the library is unavailable
         return 0
 
 
-def stream_pays() -> bool:
-    """Whether fp32 steps of up to MAX_ROWS rows run faster through the kernel than through
-    oneDNN here, decided from the build: where it is built for AVX-512 (16-float vectors).
-    Measured on the Xeon class only, so the AVX2 build keeps oneDNN."""
-    return stream_width() == 16
+def stream_pays(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether steps of up to MAX_ROWS rows in `dtype` run faster through the kernel than
+    through oneDNN here, decided from the build: where it is built for AVX-512 (16-float
+    vectors; bf16: with AVX512-BF16). Measured on AVX-512 machines only (fp32 on the Xeon,
+    bf16 on the EPYC), so the AVX2 build keeps oneDNN."""
+    return stream_width(torch.float32) == 16 and stream_width(dtype) == 16
 
 
 def stream_fits(weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this weight: (N, K) fp32 on the CPU, N a multiple of the
-    panel width."""
-    width = stream_width()
+    """Whether the kernel takes this weight: (N, K) fp32 or bf16 on the CPU, N a multiple
+    of the panel width (bf16: K even) and a kernel built for its dtype."""
+    width = stream_width(weight.dtype) if weight.dtype in ENTRIES else 0
     return (
         width > 0
         and weight.dim() == 2
-        and weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and weight.shape[0] % width == 0
+        and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
     )
 
 
 @dataclass(frozen=True)
 class PackedStream:
-    """A weight (N, K) in the kernel's panel order: `panels` holds N * K fp32 values."""
+    """A weight (N, K) in the kernel's panel order: `panels` holds its N * K values."""
 
-    panels: torch.Tensor  # (N * K,) fp32
+    panels: torch.Tensor  # (N * K,) fp32 or bf16
     n: int
     k: int
 
+    @property
+    def values(self) -> torch.Tensor:
+        """The packed values, whichever kernel packed them."""
+        return self.panels
+
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PackedStream:
-        """Pack W (N, K) fp32, its rows contiguous; ValueError if `stream_fits` says no."""
+        """Pack W (N, K) fp32 or bf16, its rows contiguous; ValueError if `stream_fits`
+        says no."""
         if not stream_fits(weight) or weight.stride(1) != 1:
             raise ValueError(
                 f"the stream linear takes a (N, K) fp32 CPU weight with N a multiple of "
-                f"{stream_width()} and contiguous rows; got {tuple(weight.shape)} "
-                f"{weight.dtype} on {weight.device}"
+                f"{stream_width()}, or bf16 with N a multiple of 16 and K even where the "
+                f"build has AVX512-BF16 ({'yes' if stream_width(torch.bfloat16) else 'no'} "
+                f"here), with contiguous rows; got {tuple(weight.shape)} {weight.dtype} on "
+                f"{weight.device}"
             )
         n, k = weight.shape
-        panels = cpu_packed.pack("kvlab_stream_pack", weight, ERRORS)
+        panels = cpu_packed.pack(ENTRIES[weight.dtype][0], weight, ERRORS)
         return cls(panels, n, k)
 
 
 def cpu_stream_linear(
     x: torch.Tensor, packed: PackedStream, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x (rows, K) fp32, rows contiguous, rows <= MAX_ROWS -> x W^T + bias (rows, N) fp32."""
-    return cpu_packed.run("kvlab_stream_linear", x, packed.panels, packed.n, packed.k, bias,
-                          MAX_ROWS, ERRORS)  # fmt: skip
+    """x (rows, K) in the weight's dtype, rows contiguous, rows <= MAX_ROWS -> x W^T + bias
+    (rows, N) in that dtype."""
+    entry = ENTRIES[packed.panels.dtype][1]
+    return cpu_packed.run(entry, x, packed.panels, packed.n, packed.k, bias, MAX_ROWS, ERRORS)

@@ -1,7 +1,8 @@
 """A decoder layer's decode step in two native calls (kernels/cpu_layer.c) against the
 per-op fused path it replaces: the same entry points in the same order, so the same bits,
-in the logits and in every K/V the pool stores. bf16 runs where the CPU has AMX-BF16, fp32
-where the library is built for AVX-512 (the stream linear's `stream_pays`)."""
+in the logits and in every K/V the pool stores. bf16 runs where the CPU has AMX-BF16 (the
+AMX linears) or the build AVX512-BF16 (the stream), fp32 where the library is built for
+AVX-512 (the stream linear's `stream_pays`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvlab.kernels import cpu_kernels_available
 from kvlab.kernels.cpu_layer import LayerKernels, PackedLayer, matmul_seconds
 from kvlab.kernels.cpu_linear import MAX_ROWS, PackedLinear
 from kvlab.kernels.cpu_prefill import amx_ready
-from kvlab.kernels.cpu_stream import stream_pays
+from kvlab.kernels.cpu_stream import PackedStream, stream_pays
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvlab.cache.pool import KVPool
@@ -24,9 +25,17 @@ needs_amx = pytest.mark.skipif(
 needs_stream = pytest.mark.skipif(
     not (cpu_kernels_available() and stream_pays()), reason="needs an AVX-512 build"
 )
+needs_bf16 = pytest.mark.skipif(
+    not (cpu_kernels_available() and (amx_ready() or stream_pays(torch.bfloat16))),
+    reason="needs a CPU with AMX-BF16 or a build with AVX512-BF16",
+)
+needs_bf16_stream = pytest.mark.skipif(
+    not (cpu_kernels_available() and stream_pays(torch.bfloat16)),
+    reason="needs an AVX-512 build with AVX512-BF16",
+)
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 DTYPES = [
-    pytest.param(torch.bfloat16, marks=needs_amx),
+    pytest.param(torch.bfloat16, marks=needs_bf16),
     pytest.param(torch.float32, marks=needs_stream),
 ]
 VOCAB = 320
@@ -80,7 +89,7 @@ def test_the_layer_calls_give_the_per_op_paths_bits(bias, prompts, dtype):
         assert torch.equal(a[:, written], b[:, written])
 
 
-@needs_amx
+@needs_bf16
 def test_steps_past_the_kernels_rows_take_the_per_op_path():
     fast = ModelRunner(tiny_bf16(False), fused_ops=True)
     h = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16)
@@ -111,11 +120,30 @@ def test_shapes_that_do_not_match_the_heads_are_refused():
         LayerKernels([PackedLayer(norm[:32], *[*vars(layer).values()][1:])], 2, 1, 32, 1e-5)
     fp32 = PackedLayer(norm.float(), *[*vars(layer).values()][1:4], norm.float(),
                        *[*vars(layer).values()][5:])  # fmt: skip
-    with pytest.raises(ValueError, match="packed as PackedStream"):
+    with pytest.raises(ValueError, match="matmuls must be torch.float32"):
         LayerKernels([fp32], heads=2, kv_heads=1, head_dim=32, eps=1e-5)
 
 
-@needs_amx
+@needs_bf16_stream
+def test_a_layers_matmuls_share_one_kernel_and_dtype():
+    """bf16 panels take the stream (`stream` 1); a layer mixing dtypes, or (where the CPU
+    has AMX) the AMX linear's tiles with the stream's panels, is refused."""
+    panels = lambda n, k, dtype=torch.bfloat16: PackedStream.pack(torch.randn(n, k).to(dtype))  # noqa: E731
+    norm = torch.ones(64, dtype=torch.bfloat16)
+    layer = PackedLayer(norm, panels(128, 64), None, panels(64, 64), norm, panels(256, 64),
+                        panels(64, 128))  # fmt: skip
+    assert LayerKernels([layer], heads=2, kv_heads=1, head_dim=32, eps=1e-5).stream == 1
+    mixed = [*vars(layer).values()]
+    mixed[3] = panels(64, 64, torch.float32)
+    with pytest.raises(ValueError, match="matmuls must be torch.bfloat16"):
+        LayerKernels([PackedLayer(*mixed)], heads=2, kv_heads=1, head_dim=32, eps=1e-5)
+    if amx_ready():
+        mixed[3] = PackedLinear.pack(torch.randn(64, 64).bfloat16())
+        with pytest.raises(ValueError, match="all packed as PackedStream"):
+            LayerKernels([PackedLayer(*mixed)], heads=2, kv_heads=1, head_dim=32, eps=1e-5)
+
+
+@needs_bf16
 def test_the_step_profile_counts_the_layer_calls_matmuls(model):
     from kvlab import EngineConfig
     from kvlab.experiments.step_profile import profile_steps

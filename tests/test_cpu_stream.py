@@ -1,10 +1,11 @@
-"""A decode step's fp32 linears streamed (kernels/cpu_stream.c) against float64 torch, and
-the runner that uses them.
+"""A decode step's linears streamed (kernels/cpu_stream.c) against float64 torch, and the
+runner that uses them, in fp32 and (where the build has AVX512-BF16) bf16.
 
-Each output is one fp32 chain of FMAs over K in order, so it is the float64 product to
-within fp32 rounding of a sum of K terms. The shapes cross the kernel's blocks: rows in
-blocks of 16 (12 with AVX2), 8, 4, 2 and 1 (1, 3, 7, 15, 16, 17 and 32 rows), panels of one
-vector of columns, an odd K. The runner's tests need the build `stream_pays` for.
+Each output is one fp32 chain over K in order (bf16: over K's pairs, then rounded to bf16
+once), so it is the float64 product to within fp32 rounding of a sum of K terms (bf16: and
+one rounding to bf16). The shapes cross the kernel's blocks: rows in blocks of 16 (12 with
+AVX2), 8, 4, 2 and 1 (1, 3, 7, 15, 16, 17 and 32 rows), panels of one vector of columns, an
+odd K (fp32). The runner's tests need the build `stream_pays` for.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvlab.kernels import cpu_kernels_available
+from kvlab.kernels.cpu_prefill import amx_ready
 from kvlab.kernels.cpu_stream import (
     MAX_ROWS,
     PackedStream,
@@ -31,6 +33,12 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="no nativ
 needs_stream = pytest.mark.skipif(
     not (cpu_kernels_available() and stream_pays()), reason="needs an AVX-512 build"
 )
+needs_bf16 = pytest.mark.skipif(
+    not (cpu_kernels_available() and stream_width(torch.bfloat16)),
+    reason="needs a build with AVX512-BF16",
+)
+ROWS = [1, 3, 7, 15, 16, 17, 32]
+SHAPES = [(960, 576, False), (576, 1536, True), (48, 6, True)]  # n, k, bias
 
 
 def f32(*shape, seed):
@@ -47,8 +55,17 @@ def test_packing_puts_each_weight_where_the_stream_reads_it():
     assert torch.equal(panels, w.view(n // v, v, k).transpose(1, 2))
 
 
+@needs_bf16
+def test_bf16_packing_puts_each_pair_where_the_stream_reads_it():
+    """packed[((p K/2 + kp) 16 + c) 2 + j] = W[16 p + c][2 kp + j]"""
+    n, k = 32, 6
+    w = torch.arange(n * k, dtype=torch.bfloat16).view(n, k)  # exact below 256
+    panels = PackedStream.pack(w).panels.view(n // 16, k // 2, 16, 2)
+    assert torch.equal(panels, w.view(n // 16, 16, k // 2, 2).transpose(1, 2))
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 7, 15, 16, 17, 32])
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k, bias", [(960, 576, False), (576, 1536, True), (48, 7, True)])
 def test_matches_float64_torch(rows, n, k, bias):
     x, w = f32(rows, k, seed=rows), f32(n, k, seed=n + k)
@@ -59,9 +76,24 @@ def test_matches_float64_torch(rows, n, k, bias):
     torch.testing.assert_close(out.double(), expected, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
+@needs_bf16
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k, bias", SHAPES)
+def test_bf16_matches_float64_torch_to_one_rounding(rows, n, k, bias):
+    x, w = f32(rows, k, seed=rows).bfloat16(), f32(n, k, seed=n + k).bfloat16()
+    b = f32(n, seed=7).bfloat16() if bias else None
+    out = cpu_stream_linear(x, PackedStream.pack(w), b)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, atol=1e-4 * k**0.5, rtol=2**-8)
+    assert (out == exact.bfloat16()).double().mean() > 0.95  # mostly the nearest bf16
+
+
 @needs_kernels
-def test_a_rows_bits_do_not_depend_on_its_company_or_the_thread_count():
-    x, packed = f32(32, 576, seed=1), PackedStream.pack(f32(960, 576, seed=2))
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_a_rows_bits_do_not_depend_on_its_company_or_the_thread_count(dtype):
+    x = f32(32, 576, seed=1).to(dtype)
+    packed = PackedStream.pack(f32(960, 576, seed=2).to(dtype))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -79,7 +111,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match=f"multiple of {v}"):
         PackedStream.pack(f32(4 * v + 1, 64, seed=1))
     with pytest.raises(ValueError, match="fp32"):
-        PackedStream.pack(w.bfloat16())
+        PackedStream.pack(w.half())
     packed = PackedStream.pack(w)
     with pytest.raises(ValueError, match=f"1..{MAX_ROWS}"):
         cpu_stream_linear(f32(MAX_ROWS + 1, 64, seed=2), packed)
@@ -90,6 +122,20 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="fp32"):
         cpu_stream_linear(f32(4, 64, seed=2).bfloat16(), packed)
     assert not stream_fits(f32(4 * v + 1, 64, seed=1)) and stream_fits(w)
+
+
+@needs_bf16
+def test_bf16_bad_inputs_raise():
+    w = f32(64, 64, seed=1).bfloat16()
+    for bad in (w[:40], w[:, :63].contiguous()):  # N not a multiple of 16, K odd
+        assert not stream_fits(bad)
+        with pytest.raises(ValueError, match="K even"):
+            PackedStream.pack(bad)
+    packed = PackedStream.pack(w)
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_stream_linear(f32(4, 64, seed=2), packed)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_stream_linear(f32(4, 64, seed=2).bfloat16(), packed, f32(64, seed=3))
 
 
 @needs_stream
@@ -111,13 +157,25 @@ def tiny_fp32():
     return LlamaForCausalLM(config).eval()
 
 
-@needs_stream
-def test_a_kernels_runner_streams_fp32_steps_to_rounding():
-    """An fp32 step of 20 one-token sequences: the kernels config's runner (the stream)
-    against the torch runner (oneDNN); the LM head (320 x 64) is streamed too."""
-    hf = tiny_fp32()
+needs_bf16_runner = pytest.mark.skipif(
+    not (cpu_kernels_available() and stream_pays(torch.bfloat16) and not amx_ready()),
+    reason="needs an AVX-512 build with AVX512-BF16 on a CPU without AMX",
+)
+CLOSE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 0.05, "rtol": 0.02}}
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.float32, marks=needs_stream), pytest.param(torch.bfloat16,
+                                                                   marks=needs_bf16_runner)],
+)  # fmt: skip
+def test_a_kernels_runner_streams_decode_steps_to_rounding(dtype):
+    """A step of 20 one-token sequences: the kernels config's runner (the stream) against
+    the torch runner (oneDNN); the LM head (320 x 64) is streamed too."""
+    hf = tiny_fp32().to(dtype)
     fused, plain = ModelRunner(hf, fused_ops=True), ModelRunner(hf)
     assert isinstance(fused.linear, StreamLinears) and isinstance(plain.linear, Linears)
+    assert fused.linear.dtype == dtype and len(fused.linear.packed) == 1 + 4 * 2
     ids = torch.randint(0, 320, (20,))
     logits = []
     for runner in (fused, plain):
@@ -125,18 +183,19 @@ def test_a_kernels_runner_streams_fp32_steps_to_rounding():
         meta = build_attention_metadata([0] * 20, [1] * 20, [[i] for i in range(20)], 1,
                                         runner.device)  # fmt: skip
         logits.append(runner.forward(ids, meta, pool))
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], logits[1], **CLOSE[dtype])
 
 
 @needs_kernels
 def test_where_the_stream_is_used():
-    """Only an fp32 runner of the kernels config, where the build pays, outside batch-
-    invariant mode; its elementwise ops fused too."""
+    """An fp32 runner of the kernels config where the build pays, and a bf16 one where it
+    pays and the CPU has no AMX (the AMX linears run there), outside batch-invariant mode;
+    its elementwise ops fused too."""
     hf = tiny_fp32()
     fused = ModelRunner(hf, fused_ops=True)
     assert isinstance(fused.linear, StreamLinears) == stream_pays() and fused.fused_ops
     assert not isinstance(ModelRunner(hf).linear, StreamLinears)
     assert not isinstance(ModelRunner(hf, fused_ops=True, batch_invariant=True).linear,
                           StreamLinears)  # fmt: skip
-    assert not isinstance(ModelRunner(tiny_fp32().bfloat16(), fused_ops=True).linear,
-                          StreamLinears)  # fmt: skip
+    bf16 = ModelRunner(tiny_fp32().bfloat16(), fused_ops=True).linear
+    assert isinstance(bf16, StreamLinears) == (stream_pays(torch.bfloat16) and not amx_ready())

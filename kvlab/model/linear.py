@@ -16,9 +16,10 @@ bf16 steps of up to 32 rows through kvlab's own AMX kernel (kvlab.kernels.cpu_li
 which streams each weight from a copy packed once in the order it reads it: on the 2-core
 Xeon kvlab is developed on, SmolLM2-135M's 121 matmuls of a 16-row step take about 12.5 ms
 (21.5 GB/s of weights) against oneDNN's 16-20 ms. Larger steps (prompts) stay on oneDNN.
-`StreamLinears` does the same for fp32 steps through kvlab's FMA stream
-(kvlab.kernels.cpu_stream) where the library is built for AVX-512. Both are
-`PackedLinears`: a kernel, the weights it takes packed once, the rest left to `linears`.
+`StreamLinears` does the same for fp32 steps, and for bf16 steps where the CPU has no AMX,
+through kvlab's vector stream (kvlab.kernels.cpu_stream) where the library is built for
+AVX-512 (bf16: and AVX512-BF16). Both are `PackedLinears`: a kernel, the weights it takes
+packed once, the rest left to `linears`.
 """
 
 from __future__ import annotations
@@ -114,9 +115,18 @@ class AmxLinears(PackedLinears):
 
 
 class StreamLinears(PackedLinears):
-    """fp32 steps of up to 32 rows through kvlab's FMA stream (kvlab.kernels.cpu_stream)."""
+    """fp32 or bf16 steps of up to 32 rows through kvlab's vector stream
+    (kvlab.kernels.cpu_stream)."""
 
-    dtype, max_rows = torch.float32, 32
+    max_rows = 32
+
+    def __init__(
+        self, linears: Linears, weights: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32
+    ):
+        """The weights of `dtype` packed; any other weight is left to `linears`."""
+        self.dtype = dtype
+        weights = [w for w in weights if w.dtype == dtype]
+        super().__init__(linears, weights)
 
     @staticmethod
     def kernel():

@@ -50,7 +50,7 @@ class FusedModel:
     layers: list[LayerWeights]
     linear: Linears | None = None
     amx: AmxLinears | None = None  # a bf16 decode step's matmuls on AMX, once first asked for
-    stream: StreamLinears | None = None  # an fp32 decode step's matmuls, once first asked for
+    stream: StreamLinears | None = None  # a decode step's streamed matmuls, once first asked for
 
 
 def kv_spec_of(config) -> KVSpec:
@@ -160,25 +160,27 @@ class ModelRunner:
 
     def _packed_linears(self, fused: FusedModel) -> Linears | AmxLinears | StreamLinears:
         """A fused runner's matmuls, packed once per model: bf16 steps of up to 32 rows on
-        AMX tiles where the CPU has them (kvlab.model.linear.AmxLinears), fp32 steps of up
-        to 32 rows through kvlab's FMA stream where it pays (StreamLinears), else oneDNN's."""
+        AMX tiles where the CPU has them (kvlab.model.linear.AmxLinears), fp32 steps, and
+        bf16 steps elsewhere, of up to 32 rows through kvlab's vector stream where it pays
+        (StreamLinears), else oneDNN's."""
         from kvlab.kernels.cpu_prefill import amx_ready
         from kvlab.kernels.cpu_stream import stream_pays
 
+        weights = self.matmul_weights(self.layers)
         if self.dtype == torch.bfloat16 and amx_ready():
             if fused.amx is None:
-                fused.amx = AmxLinears(self.linear, self.matmul_weights(self.layers))
+                fused.amx = AmxLinears(self.linear, weights)
             return fused.amx
-        if self.dtype == torch.float32 and stream_pays():
+        if self.dtype in (torch.float32, torch.bfloat16) and stream_pays(self.dtype):
             if fused.stream is None:
-                fused.stream = StreamLinears(self.linear, self.matmul_weights(self.layers))
+                fused.stream = StreamLinears(self.linear, weights, self.dtype)
             return fused.stream
         return self.linear
 
     def _layer_kernels(self):
         """A fused runner's decode steps, each layer in two native calls around attention
         (kvlab.kernels.cpu_layer), where every matmul of every layer is packed for kvlab's
-        own kernels (AMX tiles in bf16, the stream in fp32); else None."""
+        own kernels (AMX tiles or the stream); else None."""
         if not isinstance(self.linear, AmxLinears | StreamLinears):
             return None
         from kvlab.kernels.cpu_layer import LayerKernels, PackedLayer
