@@ -125,17 +125,20 @@ def on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def prompt_pays(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a prompt's attention runs faster through kvlab's kernel than through torch's
     (kvlab.model.cpu_attention asks), decided from what the CPU and the build can do:
-    bf16 where the AMX kernel runs (`on_amx`): the kernel; bf16 elsewhere on a CPU with bf16
-    instructions (AVX512-BF16 or AMX-BF16, which oneDNN's bf16 matmuls under torch's
-    attention use): torch, since the register tiles widen bf16 to fp32 (on the Xeon with AMX
+    bf16 where the AMX kernel runs (`on_amx`): the kernel; bf16 elsewhere on a CPU with
+    AMX-BF16 (whose tile unit oneDNN's bf16 matmuls under torch's attention use): torch,
+    since the register tiles widen bf16 to fp32 and run on the FMAs (on the Xeon with AMX
     they ran 1.4 to 2.6 times slower than torch's attention on four of five prompt shapes,
-    level on the fifth: benchmarks/results/cpu_kernels.avx512.json, tiles_ms); otherwise
-    the tiles where they fit the build (`prefill_pays`) and the head size (`prefill_fits`).
+    level on the fifth: benchmarks/results/cpu_kernels.avx512.json, tiles_ms); otherwise,
+    bf16 on a CPU with AVX512-BF16 and no AMX among them, the tiles where they fit the build
+    (`prefill_pays`) and the head size (`prefill_fits`) (on the AMD EPYC with AVX512-BF16
+    they ran 1.3 to 3.5 times faster than torch's bf16 attention on the same five shapes:
+    benchmarks/results/cpu_kernels_epyc.avx512.json).
     """
     if on_amx(q, k_cache):
         return True
     bf16 = q.dtype == k_cache.dtype == torch.bfloat16
-    if bf16 and cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+    if bf16 and "amx_bf16" in cpu_flags():
         return False
     return prefill_pays() and prefill_fits(q.shape[-1])
 

@@ -105,17 +105,22 @@ def test_amx_refuses_what_it_cannot_compute():
 
 
 def test_bf16_prompts_go_where_they_run_fastest(monkeypatch):
-    """bf16: the AMX kernel where it runs; on a CPU with bf16 instructions but no AMX kernel
-    (no AMX, or an OS that refuses the tiles), torch's attention on oneDNN's bf16 kernels;
-    fp32: the register tiles where the build fits them."""
+    """bf16: the AMX kernel where it runs; on a CPU with AMX-BF16 but no AMX kernel (an OS
+    that refuses the tiles, a build without them), torch's attention on oneDNN's AMX
+    kernels; on any other CPU (AVX512-BF16 without AMX, or no bf16 instructions) the
+    register tiles where the build fits them, as in fp32."""
     from kvlab.kernels import cpu_prefill
 
     if not cpu_kernels_available():
         pytest.skip("the native CPU kernels are unavailable")
     q, k, _, _ = paged_case(8, 8, 4, 2, 64, torch.bfloat16, seed=2)
-    bf16_cpu = bool(cpu_build.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    amx_cpu = "amx_bf16" in cpu_build.cpu_flags()
     tiles = cpu_prefill.prefill_pays()
-    assert cpu_prefill.prompt_pays(q, k) == (amx_ready() or (not bf16_cpu and tiles))
+    assert cpu_prefill.prompt_pays(q, k) == (amx_ready() or (not amx_cpu and tiles))
     assert cpu_prefill.prompt_pays(q.float(), k.float()) == tiles
     monkeypatch.setattr(cpu_prefill, "on_amx", lambda q, k_cache: False)
-    assert cpu_prefill.prompt_pays(q, k) == (not bf16_cpu and tiles)
+    for flags, kernel in (({"avx512_bf16", "amx_bf16"}, False), ({"avx512_bf16"}, tiles),
+                          (set(), tiles)):  # fmt: skip
+        monkeypatch.setattr(cpu_prefill, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_prefill.prompt_pays(q, k) == kernel
+        assert cpu_prefill.prompt_pays(q.float(), k.float()) == tiles

@@ -19,8 +19,8 @@ Every group of meta.groups (kvlab.model.metadata) is one of two kinds:
 
 Where the prompt kernel would not beat torch's attention
 (`kvlab.kernels.cpu_prefill.prompt_pays`: a head size off its 16-float vectors, a library
-built for neither AVX-512 nor AVX2 and FMA, bf16 on a CPU with bf16 instructions but
-without the AMX kernel), a prompt takes the reference's call.
+built for neither AVX-512 nor AVX2 and FMA, bf16 on a CPU with AMX-BF16 but without the
+AMX kernel), a prompt takes the reference's call.
 """
 
 from __future__ import annotations
