@@ -9,7 +9,8 @@
  * positions times the g = heads / kv_heads query heads sharing the kv head (row r = i * g +
  * gh), so every K and V value read serves g * QB rows. The task runs flash attention over
  * chunks of KC positions up to its last row's causal end, in the register tiles of
- * cpu_tiles.h, K and V read in place from the pool (no copy is made), then writes
+ * cpu_tiles.h (bf16 rows over bf16 K scored in pairs where the build has AVX512-BF16), K
+ * and V read in place from the pool (no copy is made), then writes
  * out[r] = acc[r] / sum[r] in q's dtype (bf16 rounds to nearest even).
  * The blocks with the most positions (the last) are handed out first, from a shared counter
  * (cpu_pool.c). Tasks depend only on the shapes, never on the thread count, so the result
@@ -55,10 +56,16 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int d
     const int qn = rows_q - i0 < QB ? rows_q - i0 : QB;
     const int rows = qn * g, stride = w->stride, end = P + i0 + qn;
     const int64_t first = p->starts[b], *slots = p->slots + (int64_t)b * p->slots_stride;
+    w->pairs = TILES_PAIRS_BUILT && dtype == DT_BF16 && p->dtype_q == DT_BF16;
+    w->scale = p->scale;
     for (int r = 0; r < stride; r++) { /* row r: position i0 + r / g, head kvh * g + r % g */
         const int64_t at = ((first + i0 + r / g) * p->heads + kvh * g + r % g) * d;
-        for (int c = 0; c < d; c++)
-            w->qt[c * stride + r] = r < rows ? load(p->q, p->dtype_q, at + c) * p->scale : 0.0f;
+        if (w->pairs) /* bf16 pairs, unscaled (cpu_tiles.h) */
+            for (int c = 0; c < d; c++)
+                w->qt2[(c / 2 * stride + r) * 2 + c % 2] = r < rows ? ((const uint16_t *)p->q)[at + c] : 0;
+        else
+            for (int c = 0; c < d; c++)
+                w->qt[c * stride + r] = r < rows ? load(p->q, p->dtype_q, at + c) * p->scale : 0.0f;
         w->end[r] = r < rows ? P + i0 + r / g + 1 : 0;
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;

@@ -13,7 +13,12 @@
  *   values   acc[r] += w[j][r] v_j, in register tiles of MR rows x VW vectors of head_dim:
  *            each V vector loaded from the pool once per tile, times MR broadcast weights.
  * Both tiles keep their partial sums in registers, so the loop runs at the CPU's matmul
- * rate. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
+ * rate. Where the compiler targets AVX512-BF16, bf16 rows over bf16 K score in pairs
+ * instead (score_tile_pairs): the caller fills qt2 (the queries unscaled, in bf16, each
+ * row's dimensions 2c and 2c + 1 side by side) and pairs, and each vdpbf16ps takes a pair
+ * of one position's K values (adjacent in the pool) against 16 rows' pairs: twice the
+ * products of an FMA, each exact in fp32, the pair summed into the lane's fp32 total; the
+ * scale multiplies the sum once. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
  * and acc (0) for its rows, and reads max, sum and acc after its last chunk.
  */
 
@@ -23,6 +28,13 @@
 #include <math.h>
 
 #include "cpu_common.h"
+
+#if defined(__AVX512BF16__) && V == 16 /* vdpbf16ps: bf16 pairs multiplied, summed in fp32 */
+#include <immintrin.h>
+#define TILES_PAIRS_BUILT 1
+#else
+#define TILES_PAIRS_BUILT 0
+#endif
 
 /* A tile's accumulators, its loaded vectors and one broadcast fill the CPU's vector
  * registers: 32 of 16 floats with AVX-512, else 16 of 8 floats (AVX2). */
@@ -45,6 +57,9 @@ typedef struct {      /* rows that attend together, and one thread's scratch for
     float *acc;       /* (stride, head_dim) */
     float *max, *sum; /* (stride,) */
     int32_t *end;     /* (stride,): positions < end[r] are row r's context; 0 for padding */
+    int pairs;        /* 1: score in pairs from qt2 (TILES_PAIRS_BUILT, bf16 rows and K) */
+    uint16_t *qt2;    /* (head_dim / 2, stride, 2) bf16, unscaled; in qt's memory */
+    float scale;      /* what the pairs' scores are multiplied by */
 } Tiles;
 
 /* Lanes per position for up to `rows` rows. */
@@ -63,6 +78,7 @@ static inline Tiles tiles_new(int rows, int head_dim) {
         w.max = buf + lanes * (2 * d + KC);
         w.sum = buf + lanes * (2 * d + KC + 1);
         w.end = (int32_t *)(buf + lanes * (2 * d + KC + 2));
+        w.qt2 = (uint16_t *)buf;
     }
     return w;
 }
@@ -118,6 +134,39 @@ static ALWAYS_INLINE void score_tile(const void *k, int stride, const float *qt,
         if (m < count)
             for (int t = 0; t < nv; t++) store_f(s + m * stride + (v0 + t) * V, acc[m][t]);
 }
+
+#if TILES_PAIRS_BUILT
+/* score_tile for bf16 K (k) and rows (qt2): s = scale * (the pairs' fp32 sums) */
+static ALWAYS_INLINE void score_tile_pairs(const uint16_t *k, int stride, const uint16_t *qt2,
+                                           const int64_t *at, int d, float scale, float *s,
+                                           int v0, int nv, int count) {
+    __m512 acc[MP][RV];
+    for (int m = 0; m < MP; m++)
+        for (int t = 0; t < RV; t++) acc[m][t] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 2) {
+        __m512bh q[RV];
+        for (int t = 0; t < nv; t++)
+            q[t] = (__m512bh)_mm512_loadu_si512(qt2 + ((int64_t)c * stride + (v0 + t) * V * 2));
+        for (int m = 0; m < MP; m++) {
+            int32_t pair; /* k[at[m] + c], k[at[m] + c + 1] */
+            memcpy(&pair, k + at[m] + c, sizeof pair);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            for (int t = 0; t < nv; t++) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], q[t], x);
+        }
+    }
+    const __m512 mul = _mm512_set1_ps(scale);
+    for (int m = 0; m < MP; m++)
+        if (m < count)
+            for (int t = 0; t < nv; t++)
+                _mm512_storeu_ps(s + m * stride + (v0 + t) * V, _mm512_mul_ps(acc[m][t], mul));
+}
+#define SCORE_TILE(nv)                                                                       \
+    (dtype == DT_BF16 && w->pairs                                                            \
+         ? score_tile_pairs(k, stride, w->qt2, at, d, w->scale, tile, v0, nv, count)         \
+         : score_tile(k, stride, w->qt, at, d, dtype, tile, v0, nv, count))
+#else
+#define SCORE_TILE(nv) score_tile(k, stride, w->qt, at, d, dtype, tile, v0, nv, count)
+#endif
 
 /* acc[r0 + r][c ..] += sum_{j < n} w[j][r0 + r] v_j[c ..] for MR rows, W vectors wide */
 static ALWAYS_INLINE void value_tile(const void *v_cache, int stride, const float *w,
@@ -193,12 +242,12 @@ static ALWAYS_INLINE void tiles_chunk(Tiles *w, const void *k, const void *v, in
         float *tile = w->s + j * stride;
         for (int v0 = 0; v0 < vectors; v0 += RV) {
             switch (vectors - v0) { /* a constant nv keeps the tile in registers */
-            case 1: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 1, count); break;
+            case 1: SCORE_TILE(1); break;
 #if RV == 4
-            case 2: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 2, count); break;
-            case 3: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, 3, count); break;
+            case 2: SCORE_TILE(2); break;
+            case 3: SCORE_TILE(3); break;
 #endif
-            default: score_tile(k, stride, w->qt, at, d, dtype, tile, v0, RV, count); break;
+            default: SCORE_TILE(RV); break;
             }
         }
     }

@@ -91,6 +91,28 @@ def test_head_layouts_and_sizes(heads, kv_heads, dim):
     assert_matches(*paged_case(23, 41, heads, kv_heads, dim, torch.float32, seed=dim))
 
 
+@pytest.mark.parametrize(
+    "rows, cached, heads, kv_heads, dim",
+    [(37, 0, 9, 3, 64), (23, 41, 6, 1, 16), (17, 300, 4, 2, 80)],
+)
+def test_bf16_through_the_register_tiles(rows, cached, heads, kv_heads, dim):
+    """bf16 through the tiles even where the CPU has AMX (amx=False): scored in pairs where
+    the build has AVX512-BF16, widened elsewhere; a scale of 1 and one of 1/sqrt(80); any
+    thread count gives the same bits."""
+    q, k, v, slots = paged_case(rows, cached, heads, kv_heads, dim, torch.bfloat16, seed=dim)
+    for scale in (1.0, dim**-0.5):
+        out = cpu_paged_prefill_attention(q, k, v, slots, scale, amx=False)
+        expected = reference(q, k, v, slots, scale)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[torch.bfloat16], rtol=0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = cpu_paged_prefill_attention(q, k, v, slots, scale, amx=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, out)
+
+
 def test_float16_where_supported():
     if not cpu_kernels_have(torch.float16):
         pytest.skip("this build of the native CPU kernels has no float16 (no _Float16)")
