@@ -13,12 +13,17 @@
  *   values   acc[r] += w[j][r] v_j, in register tiles of MR rows x VW vectors of head_dim:
  *            each V vector loaded from the pool once per tile, times MR broadcast weights.
  * Both tiles keep their partial sums in registers, so the loop runs at the CPU's matmul
- * rate. Where the compiler targets AVX512-BF16, bf16 rows over bf16 K score in pairs
- * instead (score_tile_pairs): the caller fills qt2 (the queries unscaled, in bf16, each
- * row's dimensions 2c and 2c + 1 side by side) and pairs, and each vdpbf16ps takes a pair
- * of one position's K values (adjacent in the pool) against 16 rows' pairs: twice the
- * products of an FMA, each exact in fp32, the pair summed into the lane's fp32 total; the
- * scale multiplies the sum once. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
+ * rate. Where the compiler targets AVX512-BF16, bf16 rows over bf16 K and V run in pairs
+ * instead, each vdpbf16ps twice the products of an FMA, each exact in fp32, the pair
+ * summed into the lane's fp32 total:
+ *   scores   (score_tile_pairs) the caller fills qt2 (the queries unscaled, in bf16, each
+ *            row's dimensions 2c and 2c + 1 side by side) and pairs; a pair of one
+ *            position's K values (adjacent in the pool) against 16 rows' pairs; the scale
+ *            multiplies the sum once;
+ *   values   (value_tile_pairs) the chunk's weights rounded to bf16 (the softmax sums
+ *            them as rounded, so each row's weights still sum to its total) and its V
+ *            records laid out once per chunk as pairs of positions j, j + 1 (pack_pairs);
+ *            a row's pair of weights against 16 dimensions' pairs of values. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
  * and acc (0) for its rows, and reads max, sum and acc after its last chunk.
  */
 
@@ -60,6 +65,8 @@ typedef struct {      /* rows that attend together, and one thread's scratch for
     int pairs;        /* 1: score in pairs from qt2 (TILES_PAIRS_BUILT, bf16 rows and K) */
     uint16_t *qt2;    /* (head_dim / 2, stride, 2) bf16, unscaled; in qt's memory */
     float scale;      /* what the pairs' scores are multiplied by */
+    uint16_t *wp;     /* (KC / 2, stride, 2) bf16: the weights of positions 2i, 2i + 1 */
+    uint16_t *vp;     /* (KC / 2, head_dim, 2) bf16: V of positions 2i, 2i + 1 */
 } Tiles;
 
 /* Lanes per position for up to `rows` rows. */
@@ -70,7 +77,8 @@ static inline Tiles tiles_new(int rows, int head_dim) {
     const size_t lanes = (size_t)tiles_stride(rows), d = (size_t)head_dim;
     /* zeroed: a value tile may read weight lanes past the rows (their accumulator rows are
      * never read), which are 0 or an earlier chunk's finite weights */
-    float *buf = calloc(lanes * (2 * d + KC + 2) + lanes, sizeof(float));
+    const size_t floats = lanes * (2 * d + KC + 3);
+    float *buf = calloc(floats + KC * (lanes + d) / 2, sizeof(float)); /* + wp and vp */
     Tiles w = {(int)lanes, buf};
     if (buf) {
         w.s = buf + lanes * d;
@@ -79,6 +87,8 @@ static inline Tiles tiles_new(int rows, int head_dim) {
         w.sum = buf + lanes * (2 * d + KC + 1);
         w.end = (int32_t *)(buf + lanes * (2 * d + KC + 2));
         w.qt2 = (uint16_t *)buf;
+        w.wp = (uint16_t *)(buf + floats);
+        w.vp = w.wp + KC * lanes;
     }
     return w;
 }
@@ -160,6 +170,56 @@ static ALWAYS_INLINE void score_tile_pairs(const uint16_t *k, int stride, const 
             for (int t = 0; t < nv; t++)
                 _mm512_storeu_ps(s + m * stride + (v0 + t) * V, _mm512_mul_ps(acc[m][t], mul));
 }
+/* The chunk's n weights (w->s) rounded to bf16 and its V records, as pairs of positions
+ * (Tiles' wp and vp; an odd n's last pair completed with zeros). */
+static ALWAYS_INLINE void pack_pairs(Tiles *w, const uint16_t *v, const int64_t *at, int n,
+                                     int d) {
+    const __m512i odd_even = _mm512_set_epi16( /* lanes 2i, 2i + 1 <- a's i, b's i */
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+        4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int j = 0; j < n; j += 2) {
+        const int more = j + 1 < n;
+        for (int r = 0; r < w->stride; r += V) {
+            const __m512 a = _mm512_loadu_ps(w->s + (int64_t)j * w->stride + r);
+            const __m512 b = more ? _mm512_loadu_ps(w->s + (int64_t)(j + 1) * w->stride + r)
+                                  : _mm512_setzero_ps();
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a low, b high */
+            const int lanes = w->stride - r < V ? w->stride - r : V; /* a multiple of MR */
+            _mm512_mask_storeu_epi16(w->wp + ((int64_t)j * w->stride + 2 * r),
+                                     (__mmask32)(0xffffffffu >> (32 - 2 * lanes)),
+                                     _mm512_permutexvar_epi16(odd_even, both));
+        }
+        for (int c = 0; c < d; c += V) {
+            const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(v + at[j] + c)));
+            const __m512i b = more ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         (const void *)(v + at[j + 1] + c)))
+                                   : _mm512_setzero_si512();
+            _mm512_storeu_si512(w->vp + ((int64_t)j * d + 2 * c),
+                                _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+    }
+}
+
+/* value_tile from the pairs: acc[r0 + r][c ..] += the chunk's pairs' weights . values */
+static ALWAYS_INLINE void value_tile_pairs(const Tiles *w, int d, int r0, int c, int n, int W) {
+    __m512 a[MR][VW];
+    for (int r = 0; r < MR; r++)
+        for (int t = 0; t < W; t++) a[r][t] = _mm512_loadu_ps(w->acc + (r0 + r) * d + c + t * V);
+    for (int j = 0; j < n; j += 2) {
+        __m512bh v[VW];
+        for (int t = 0; t < W; t++)
+            v[t] = (__m512bh)_mm512_loadu_si512(w->vp + ((int64_t)j * d + 2 * (c + t * V)));
+        for (int r = 0; r < MR; r++) {
+            int32_t pair; /* row r0 + r's weights of positions j, j + 1 */
+            memcpy(&pair, w->wp + ((int64_t)j * w->stride + 2 * (r0 + r)), sizeof pair);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            for (int t = 0; t < W; t++) a[r][t] = _mm512_dpbf16_ps(a[r][t], v[t], x);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int t = 0; t < W; t++) _mm512_storeu_ps(w->acc + (r0 + r) * d + c + t * V, a[r][t]);
+}
+
 #define SCORE_TILE(nv)                                                                       \
     (dtype == DT_BF16 && w->pairs                                                            \
          ? score_tile_pairs(k, stride, w->qt2, at, d, w->scale, tile, v0, nv, count)         \
@@ -214,6 +274,11 @@ static ALWAYS_INLINE void softmax_chunk(Tiles *w, int vectors, int c0,
             vi keep = ~empty;
             if (masked) keep &= (vi){0} + (c0 + j) < end;
             x = (vf)((vi)fast_exp_v(x - base) & keep);
+#if TILES_PAIRS_BUILT
+            if (w->pairs) /* the values' pairs take the weights in bf16: so does the sum */
+                x = (vf)_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)x)), 16);
+#endif
             store_f(w->s + j * w->stride + t * V, x);
             total += x;
         }
@@ -252,6 +317,17 @@ static ALWAYS_INLINE void tiles_chunk(Tiles *w, const void *k, const void *v, in
         }
     }
     softmax_chunk(w, vectors, c0, n, d, masked);
+#if TILES_PAIRS_BUILT
+    if (dtype == DT_BF16 && w->pairs) {
+        pack_pairs(w, v, v_at, n, d);
+        for (int r0 = 0; r0 < rows; r0 += MR) {
+            int c = 0;
+            for (; c + VW * V <= d; c += VW * V) value_tile_pairs(w, d, r0, c, n, VW);
+            for (; c < d; c += V) value_tile_pairs(w, d, r0, c, n, 1);
+        }
+        return;
+    }
+#endif
     for (int r0 = 0; r0 < rows; r0 += MR) {
         int c = 0;
         for (; c + VW * V <= d; c += VW * V)

@@ -93,12 +93,13 @@ def test_head_layouts_and_sizes(heads, kv_heads, dim):
 
 @pytest.mark.parametrize(
     "rows, cached, heads, kv_heads, dim",
-    [(37, 0, 9, 3, 64), (23, 41, 6, 1, 16), (17, 300, 4, 2, 80)],
+    [(37, 0, 9, 3, 64), (23, 41, 6, 1, 16), (17, 300, 4, 2, 80), (1, 254, 4, 2, 64)],
 )
 def test_bf16_through_the_register_tiles(rows, cached, heads, kv_heads, dim):
-    """bf16 through the tiles even where the CPU has AMX (amx=False): scored in pairs where
-    the build has AVX512-BF16, widened elsewhere; a scale of 1 and one of 1/sqrt(80); any
-    thread count gives the same bits."""
+    """bf16 through the tiles even where the CPU has AMX (amx=False): in pairs where the
+    build has AVX512-BF16, widened elsewhere; a scale of 1 and 1/sqrt(dim); any thread
+    count gives the same bits. The last case fills a whole chunk with rows that are not a
+    multiple of 16 lanes (36: the weights' pairs must not spill past their rows)."""
     q, k, v, slots = paged_case(rows, cached, heads, kv_heads, dim, torch.bfloat16, seed=dim)
     for scale in (1.0, dim**-0.5):
         out = cpu_paged_prefill_attention(q, k, v, slots, scale, amx=False)
