@@ -354,8 +354,9 @@ peers_run.workload = "uniform chat, 16 x 64 tokens, AVX-512 EPYC (saved run)"
 bench_figure(peers_run).show()
 
 # %% [markdown]
-# **kvlab is behind vLLM at its defaults**: its median round delivers
-# **0.927x**<!-- out --> vLLM's compiled throughput on this workload (ahead of vLLM run
+# In this run, saved on 2026-12-06 before kvlab's own CPU linears and fused layer
+# calls (section 6's next runs), **kvlab was behind vLLM at its defaults**: its median
+# round delivered **0.927x**<!-- out --> vLLM's compiled throughput (ahead of vLLM run
 # eagerly, 1.074x<!-- out -->, and of both HF paths, 2.075x<!-- out --> and
 # 3.244x<!-- out -->). The workload is equal-length chat, where paging and prefix
 # caching have little to save and every engine is bound by the same matrix products;
@@ -363,43 +364,51 @@ bench_figure(peers_run).show()
 # numerics (padding), so only 11 of 16 of its answers match (0.688<!-- out -->).
 
 # %% [markdown]
-# **On the other machine class, fp32 and bf16.** The Intel Xeon class (AVX-512, AVX512-BF16
-# and AMX) runs bf16 matrix products on its AMX tiles, and so do kvlab's own CPU kernels
-# there: prompt attention (`kernels/cpu_amx.c`), a decode step's linear layers, streaming
-# each weight once from a copy packed for the tile unit (`kernels/cpu_linear.c`), and
-# cascade attention for decodes that share a long prefix (`kernels/cpu_cascade.py`). In
-# fp32 a decode step's linears stream each weight once through the FMAs from a copy packed
-# in panels (`kernels/cpu_stream.c`); in both dtypes a layer's norms, RoPE and SwiGLU take
-# one call each (`kernels/cpu_fused.c`), and a decode step's layer two native calls around
+# **With kvlab's own CPU kernels, fp32 and bf16, on both AVX-512 machines.** The Intel
+# Xeon (AVX-512, AVX512-BF16 and AMX) runs bf16 matrix products on its AMX tiles, and so
+# do kvlab's own kernels there: prompt attention (`kernels/cpu_amx.c`), a decode step's
+# linear layers, streaming each weight once from a copy packed for the tile unit
+# (`kernels/cpu_linear.c`), and cascade attention for decodes that share a long prefix
+# (`kernels/cpu_cascade.py`). The AMD EPYC (AVX-512 and AVX512-BF16, no AMX) runs a bf16
+# decode step's linears through the vector stream in pairs (`vdpbf16ps`) and its bf16
+# prompts through the register tiles in pairs (`kernels/cpu_tiles.h`). On both, fp32
+# decode steps stream each weight once through the FMAs from a copy packed in panels
+# (`kernels/cpu_stream.c`); in both dtypes a layer's norms, RoPE and SwiGLU take one call
+# each (`kernels/cpu_fused.c`), and a decode step's layer two native calls around
 # attention (`kernels/cpu_layer.c`). The same harness against vLLM compiled, both on the
 # same two cores, saved runs:
 
 # %%
-for name, dtype, file in [
-    ("uniform chat", "fp32", "bench_uniform_chat_vllm_xeon"),
-    ("uniform chat", "bf16", "bench_uniform_chat_vllm_bf16"),
-    ("doc-QA", "fp32", "bench_doc_qa_vllm_xeon"),
-    ("doc-QA", "bf16", "bench_doc_qa_vllm_bf16"),
-]:
-    run = BenchResult.load(RESULTS / f"{file}.avx512.json")
-    rows, agree = run.table(), run.meta["token_agreement"]["vllm"]
-    print(f"{name}, {dtype}: kvlab {rows.loc['kvlab', 'median_tok_s']} tok/s, "
-          f"vLLM {rows.loc['vllm', 'median_tok_s']} tok/s, "
-          f"kvlab / vLLM {run.median_ratios()['kvlab/vllm']:.2f}x, "
-          f"vLLM's tokens equal to kvlab's on {agree:.0%} of requests "
-          f"({run.provenance['date']}, {run.provenance['machine']})")  # fmt: skip
+for machine, suffix in [("Xeon", {"fp32": "_xeon", "bf16": "_bf16"}),
+                        ("EPYC", {"fp32": "_epyc", "bf16": "_bf16_epyc"})]:  # fmt: skip
+    for name, dtype, stem in [
+        ("uniform chat", "fp32", "bench_uniform_chat_vllm"),
+        ("uniform chat", "bf16", "bench_uniform_chat_vllm"),
+        ("doc-QA", "fp32", "bench_doc_qa_vllm"),
+        ("doc-QA", "bf16", "bench_doc_qa_vllm"),
+    ]:
+        run = BenchResult.load(RESULTS / f"{stem}{suffix[dtype]}.avx512.json")
+        rows, agree = run.table(), run.meta["token_agreement"]["vllm"]
+        print(f"{machine}, {name}, {dtype}: kvlab {rows.loc['kvlab', 'median_tok_s']} tok/s, "
+              f"vLLM {rows.loc['vllm', 'median_tok_s']} tok/s, "
+              f"kvlab / vLLM {run.median_ratios()['kvlab/vllm']:.2f}x, "
+              f"vLLM's tokens equal to kvlab's on {agree:.0%} of requests "
+              f"({run.provenance['date']}, {run.provenance['machine']})")  # fmt: skip
 
 # %% [markdown]
-# On that machine kvlab is **ahead** of compiled vLLM on uniform chat in both dtypes: fp32
+# On the Xeon kvlab is **ahead** of compiled vLLM on uniform chat in both dtypes: fp32
 # (**1.32x**<!-- out -->) and bf16 (**1.26x**<!-- out -->), past the 1.2x issue 48 asks; on
 # doc-QA it is ahead in fp32 (**1.16x**<!-- out -->) and **level** in bf16
-# (**0.96x**<!-- out -->). Each is one run's median of five rounds, on a noisy host (the
-# doc-QA rounds spread by up to 1.43). In fp32 every token is equal; in bf16 each engine's
-# rounding steers greedy answers apart after a few tokens. Doc-QA spends most of its time
-# on prompts, whose fp32 matrix products run near the CPU's peak in both engines, and in
-# bf16 on attention (the prompts', and each decode's over its own document), the parts
-# where kvlab is not yet faster than vLLM. These are the runs
-# `docs/design/benchmarks.md` quotes, with where each step's time goes.
+# (**0.96x**<!-- out -->). On the EPYC it is ahead on uniform chat, fp32
+# (**1.39x**<!-- out -->) and bf16 (**1.45x**<!-- out -->), and on doc-QA in bf16
+# (**1.20x**<!-- out -->), and **level** on doc-QA in fp32 (**0.96x**<!-- out -->). Each is
+# one run's median of five rounds (the Xeon's host was noisy: its doc-QA rounds spread by
+# up to 1.43). In fp32 every token is equal; in bf16 each engine's rounding steers greedy
+# answers apart after a few tokens. Doc-QA spends most of its time on prompts, whose fp32
+# matrix products run near the CPU's peak in both engines, and on the Xeon in bf16 on
+# attention (the prompts', and each decode's over its own document), the parts where
+# kvlab is not yet faster than vLLM there. These are the runs `docs/design/benchmarks.md`
+# quotes, with where each step's time goes.
 
 # %% [markdown]
 # ## 7 · A live check of the plumbing
