@@ -9,10 +9,11 @@
  * Each step is the entry point the runner calls one by one otherwise (kvlab_add_rms_norm,
  * kvlab_rope, kvlab_silu_mul, and for the matmuls kvlab_linear_amx in bf16 on AMX or the
  * stream, kvlab_stream_linear or kvlab_stream_linear_bf16), in the same order on the same
- * values, so the bits are the per-op path's. The matmuls' wall time adds up in a counter that `kvlab profile` reads
- * (kvlab_layer_matmul_ns), so a step's matmuls are still shown apart. Up to 32 rows (the
- * linears' limit); the weights packed by kvlab_linear_pack (bf16 on AMX, `stream` 0) or
- * kvlab_stream_pack(_bf16) (`stream` 1). Every tensor is of `dtype` (DT_BF16 or DT_F32).
+ * values, so the bits are the per-op path's. The matmuls' wall time adds up in a counter
+ * that `kvlab profile` reads (kvlab_layer_matmul_ns), so a step's matmuls are still shown
+ * apart. Up to 32 rows (the linears' limit); the weights packed by kvlab_linear_pack (bf16
+ * on AMX, `stream` 0) or kvlab_stream_pack(_bf16) (`stream` 1). Every tensor is of `dtype`
+ * (DT_BF16 or DT_F32).
  */
 
 #include <stdatomic.h>
@@ -35,7 +36,8 @@ static int linear(const void *x, int64_t x_stride, int rows, const void *w, cons
                   void *out, int64_t n, int64_t k, int threads, int dtype, int stream) {
     const uint64_t start = now_ns();
     const int status =
-        dtype == DT_F32 && stream ? kvlab_stream_linear(x, x_stride, rows, w, bias, out, n, n, k, threads)
+        dtype == DT_F32 && stream
+            ? kvlab_stream_linear(x, x_stride, rows, w, bias, out, n, n, k, threads)
         : dtype == DT_BF16 && stream
             ? kvlab_stream_linear_bf16(x, x_stride, rows, w, bias, out, n, n, k, threads)
         : dtype == DT_BF16 ? kvlab_linear_amx(x, x_stride, rows, w, bias, out, n, n, k, threads)

@@ -60,9 +60,10 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int d
     w->scale = p->scale;
     for (int r = 0; r < stride; r++) { /* row r: position i0 + r / g, head kvh * g + r % g */
         const int64_t at = ((first + i0 + r / g) * p->heads + kvh * g + r % g) * d;
+        const uint16_t *q16 = p->q;
         if (w->pairs) /* bf16 pairs, unscaled (cpu_tiles.h) */
             for (int c = 0; c < d; c++)
-                w->qt2[(c / 2 * stride + r) * 2 + c % 2] = r < rows ? ((const uint16_t *)p->q)[at + c] : 0;
+                w->qt2[(c / 2 * stride + r) * 2 + c % 2] = r < rows ? q16[at + c] : 0;
         else
             for (int c = 0; c < d; c++)
                 w->qt[c * stride + r] = r < rows ? load(p->q, p->dtype_q, at + c) * p->scale : 0.0f;

@@ -71,7 +71,8 @@ int kvlab_stream_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t n, int64
         for (int64_t kp = 0; kp < k / 2; kp++)
             for (int c = 0; c < 16; c++)
                 for (int j = 0; j < 2; j++)
-                    packed[((p * (k / 2) + kp) * 16 + c) * 2 + j] = w[(p * 16 + c) * w_stride + 2 * kp + j];
+                    packed[((p * (k / 2) + kp) * 16 + c) * 2 + j] =
+                        w[(p * 16 + c) * w_stride + 2 * kp + j];
     return KVLAB_OK;
 }
 
@@ -84,7 +85,8 @@ typedef struct {
 
 /* fp32: out[r0 + r][p V ..] = x[r0 + r] . panel p (+ bias) for r < R */
 static ALWAYS_INLINE void block(const Stream *s, int64_t p, int r0, int R) {
-    const float *w = (const float *)s->w + p * s->k * V, *x = (const float *)s->x + r0 * s->x_stride;
+    const float *w = (const float *)s->w + p * s->k * V;
+    const float *x = (const float *)s->x + r0 * s->x_stride;
     vf acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = (vf){0};
     for (int64_t kk = 0; kk < s->k; kk++) {
@@ -114,9 +116,10 @@ static ALWAYS_INLINE void block_bf16(const Stream *s, int64_t p, int r0, int R) 
         }
     }
     __m512 b = _mm512_setzero_ps();
-    if (s->bias) /* bf16 -> fp32: the bits shifted into the high half */
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const uint16_t *)s->bias + p * 16))), 16));
+    if (s->bias) { /* bf16 -> fp32: the bits shifted into the high half */
+        const __m256i h = _mm256_loadu_si256((const void *)((const uint16_t *)s->bias + p * 16));
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
     uint16_t *out = (uint16_t *)s->out + r0 * s->out_stride + p * 16;
     for (int r = 0; r < R; r++)
         _mm256_storeu_si256((void *)(out + r * s->out_stride),

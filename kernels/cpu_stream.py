@@ -58,8 +58,8 @@ def stream_width(dtype: torch.dtype = torch.float32) -> int:
 def stream_pays(dtype: torch.dtype = torch.float32) -> bool:
     """Whether steps of up to MAX_ROWS rows in `dtype` run faster through the kernel than
     through oneDNN here, decided from the build: where it is built for AVX-512 (16-float
-    vectors; bf16: with AVX512-BF16). Measured on AVX-512 machines only (fp32 on the Xeon,
-    bf16 on the EPYC), so the AVX2 build keeps oneDNN."""
+    vectors; bf16: with AVX512-BF16). Measured on AVX-512 machines only (fp32 on the Xeon
+    and the EPYC, bf16 on the EPYC), so the AVX2 build keeps oneDNN."""
     return stream_width(torch.float32) == 16 and stream_width(dtype) == 16
 
 

@@ -23,8 +23,10 @@
  *   values   (value_tile_pairs) the chunk's weights rounded to bf16 (the softmax sums
  *            them as rounded, so each row's weights still sum to its total) and its V
  *            records laid out once per chunk as pairs of positions j, j + 1 (pack_pairs);
- *            a row's pair of weights against 16 dimensions' pairs of values. The caller fills qt (queries times scale, transposed), end, max (-inf), sum (0)
- * and acc (0) for its rows, and reads max, sum and acc after its last chunk.
+ *            a row's pair of weights against 16 dimensions' pairs of values.
+ * The caller fills qt (queries times scale, transposed; or qt2, pairs and scale), end, max
+ * (-inf), sum (0) and acc (0) for its rows, and reads max, sum and acc after its last
+ * chunk.
  */
 
 #ifndef KVLAB_CPU_TILES_H
@@ -190,7 +192,8 @@ static ALWAYS_INLINE void pack_pairs(Tiles *w, const uint16_t *v, const int64_t 
                                      _mm512_permutexvar_epi16(odd_even, both));
         }
         for (int c = 0; c < d; c += V) {
-            const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(v + at[j] + c)));
+            const __m256i *vj = (const void *)(v + at[j] + c);
+            const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(vj));
             const __m512i b = more ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                          (const void *)(v + at[j + 1] + c)))
                                    : _mm512_setzero_si512();
