@@ -13,6 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) /* bf16_bits: vcvtneps2bf16 */
+#include <immintrin.h>
+#endif
+
 #if defined(__FLT16_MAX__)
 #define KVLAB_HAVE_F16 1
 #else
@@ -141,6 +145,20 @@ static ALWAYS_INLINE vf load_v(const void *base, int dtype, int64_t i) {
         x = load_f((const float *)base + i);
     return x;
 }
+
+/* x rounded to bf16 (nearest even; NaN stays NaN), as fp32 bits */
+static ALWAYS_INLINE vu32 bf16_bits(vf x) {
+#if defined(__AVX512BF16__) && V == 16 /* one instruction: vcvtneps2bf16 */
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    return (vu32)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#endif
+    const vu32 u = (vu32)x; /* elsewhere: the rounding in integer lanes */
+    const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (vu32)(((vi)rounded & ~nan) | ((vi)(u | 0x400000u) & nan));
+}
+
+static ALWAYS_INLINE vf round_bf16(vf x) { return (vf)bf16_bits(x); }
 
 /* base[offset + i] = x[i] * mul for i < n, rounded to `dtype` (nearest even) */
 static inline void store(void *base, int dtype, int64_t offset, const float *restrict x, float mul,

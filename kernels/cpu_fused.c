@@ -45,20 +45,6 @@ typedef struct {
 #include <immintrin.h>
 #endif
 
-/* x rounded to bf16 (nearest even; NaN stays NaN), as fp32 bits */
-static ALWAYS_INLINE vu32 bf16_bits(vf x) {
-#if defined(__AVX512BF16__) && V == 16 /* one instruction: vcvtneps2bf16 */
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
-    return (vu32)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-#endif
-    const vu32 u = (vu32)x; /* elsewhere: the rounding in integer lanes */
-    const vi nan = (vi)((u & 0x7fffffffu) > 0x7f800000u);
-    const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return (vu32)(((vi)rounded & ~nan) | ((vi)(u | 0x400000u) & nan));
-}
-
-static ALWAYS_INLINE vf round_bf16(vf x) { return (vf)bf16_bits(x); }
-
 /* Element i of an array of dt (DT_BF16 or DT_F32): its address, V of them as fp32, V of
  * them stored (rounded to bf16 where dt is), and x rounded as dt's ops round it. */
 static ALWAYS_INLINE void *at(const void *base, int dt, int64_t i) {

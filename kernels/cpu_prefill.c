@@ -56,11 +56,11 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int d
     const int qn = rows_q - i0 < QB ? rows_q - i0 : QB;
     const int rows = qn * g, stride = w->stride, end = P + i0 + qn;
     const int64_t first = p->starts[b], *slots = p->slots + (int64_t)b * p->slots_stride;
+    const uint16_t *q16 = p->q; /* bf16 rows, read as they are for the pairs */
     w->pairs = TILES_PAIRS_BUILT && dtype == DT_BF16 && p->dtype_q == DT_BF16;
     w->scale = p->scale;
     for (int r = 0; r < stride; r++) { /* row r: position i0 + r / g, head kvh * g + r % g */
         const int64_t at = ((first + i0 + r / g) * p->heads + kvh * g + r % g) * d;
-        const uint16_t *q16 = p->q;
         if (w->pairs) /* bf16 pairs, unscaled (cpu_tiles.h) */
             for (int c = 0; c < d; c++)
                 w->qt2[(c / 2 * stride + r) * 2 + c % 2] = r < rows ? q16[at + c] : 0;

@@ -115,11 +115,7 @@ static ALWAYS_INLINE void block_bf16(const Stream *s, int64_t p, int r0, int R) 
             acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), wv);
         }
     }
-    __m512 b = _mm512_setzero_ps();
-    if (s->bias) { /* bf16 -> fp32: the bits shifted into the high half */
-        const __m256i h = _mm256_loadu_si256((const void *)((const uint16_t *)s->bias + p * 16));
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    const __m512 b = s->bias ? (__m512)load_v(s->bias, DT_BF16, p * 16) : _mm512_setzero_ps();
     uint16_t *out = (uint16_t *)s->out + r0 * s->out_stride + p * 16;
     for (int r = 0; r < R; r++)
         _mm256_storeu_si256((void *)(out + r * s->out_stride),

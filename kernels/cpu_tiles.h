@@ -277,11 +277,8 @@ static ALWAYS_INLINE void softmax_chunk(Tiles *w, int vectors, int c0,
             vi keep = ~empty;
             if (masked) keep &= (vi){0} + (c0 + j) < end;
             x = (vf)((vi)fast_exp_v(x - base) & keep);
-#if TILES_PAIRS_BUILT
             if (w->pairs) /* the values' pairs take the weights in bf16: so does the sum */
-                x = (vf)_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)x)), 16);
-#endif
+                x = round_bf16(x);
             store_f(w->s + j * w->stride + t * V, x);
             total += x;
         }
