@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kvlab.cache.pool import KVPool
 from kvlab.cache.spec import KVSpec
 from kvlab.model.attention import pooled_attention
+from kvlab.model.host_memory import keep_freed_memory
 from kvlab.model.linear import AmxLinears, Linears, StreamLinears
 from kvlab.model.metadata import AttentionMetadata
 from kvlab.model.pattern import Pattern, model_pattern, windowed
@@ -128,6 +129,8 @@ class ModelRunner:
             fused = _FUSED[hf_model] = FusedModel([self._layer_weights(x) for x in base.layers])
         self.layers, self.linear = self._weights(fused)
         self.device, self.dtype = self.embed.device, self.embed.dtype
+        if self.device.type == "cpu":  # a step's large buffers reuse pages, not fault anew
+            keep_freed_memory()
         self.norm, self.silu_mul, self.apply_rope = rms_norm, silu_mul, apply_rope
         self.fused_add_norm = None  # (h, delta, weight, eps) -> norm: one native call
         self.layer_kernels = None  # a decode step's layers in two native calls each
