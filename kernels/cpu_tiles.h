@@ -259,15 +259,18 @@ static ALWAYS_INLINE void softmax_chunk(Tiles *w, int vectors, int c0,
         vi end;
         memcpy(&old_max, w->max + t * V, sizeof old_max);
         memcpy(&end, w->end + t * V, sizeof end);
-        top = old_max;
-        for (int j = 0; j < n; j++) {
-            vf x = load_f(w->s + j * w->stride + t * V);
-            if (masked) {
-                const vi seen = (vi){0} + (c0 + j) < end;
-                x = (vf)(((vi)x & seen) | ((vi)old_max & ~seen)); /* never above the max */
+        vf tops[4] = {old_max, old_max, old_max, old_max}; /* four chains: max is exact */
+        for (int j = 0; j < n; j += 4)
+            for (int u = 0; u < 4; u++) {
+                const int at = j + u < n ? j + u : n - 1; /* n - 1 again: no change */
+                vf x = load_f(w->s + at * w->stride + t * V);
+                if (masked) {
+                    const vi seen = (vi){0} + (c0 + at) < end;
+                    x = (vf)(((vi)x & seen) | ((vi)old_max & ~seen)); /* never above the max */
+                }
+                tops[u] = vmax(x, tops[u]);
             }
-            top = vmax(x, top);
-        }
+        top = vmax(vmax(tops[0], tops[1]), vmax(tops[2], tops[3]));
         const vi empty = (vi)(top == -INFINITY); /* padding, or no position seen yet */
         const vf base = (vf)((vi)top & ~empty);  /* 0 there: no NaN from -inf - -inf */
         const vi had = (vi)(old_max > -INFINITY);
