@@ -37,9 +37,11 @@
  * products (exact in fp32, as the widened ones) per instruction, each lane summing a pair,
  * where the widened path loads, widens and multiplies 16 at a time.
  * exp is a range-reduced polynomial (~1 ulp), branch-free. Records PREFETCH_AHEAD
- * positions ahead are prefetched into L2 (blocks are scattered, so the hardware prefetcher
- * cannot guess where the next one starts; prefetching into L1 would evict the tile in
- * use). head_dim 64, 96, 128 and 256 get their own fully unrolled copies.
+ * positions ahead are prefetched into L1 (blocks are scattered, so the hardware prefetcher
+ * cannot guess where the next one starts; eight records of a SmolLM2 layer are 6 KB, well
+ * inside L1 beside the tile in use; on the 2-core AMD EPYC, L1 read fp32 records from
+ * memory about 9% faster than L2, and eight positions ahead beat 4, 6, 12 and 16).
+ * head_dim 64, 96, 128 and 256 get their own fully unrolled copies.
  *
  * Threads: tasks are handed out from a shared atomic counter, so a thread that something
  * else slows down simply takes fewer of them; the calling thread works alongside the
@@ -61,7 +63,7 @@
 #define TILE V              /* positions per step of both passes (sum_lanes sums V vectors) */
 #define CHUNK 256           /* positions per task; a multiple of TILE */
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
-#define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L2) */
+#define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L1) */
 #define RB 4                /* query heads of one kv head scored together */
 #define MAX_MEMBERS 16      /* sequences one task serves from a chunk they share */
 
@@ -173,7 +175,7 @@ static ALWAYS_INLINE void prefetch_record(const void *base, int dtype, int64_t o
 #if defined(__GNUC__)
     const int64_t size = dtype == DT_F32 ? 4 : 2;
     const char *at = (const char *)base + offset * size;
-    for (int64_t byte = 0; byte < count * size; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+    for (int64_t byte = 0; byte < count * size; byte += 64) __builtin_prefetch(at + byte, 0, 3);
 #else
     (void)base, (void)dtype, (void)offset, (void)count;
 #endif
