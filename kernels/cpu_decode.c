@@ -31,8 +31,8 @@
  * loaded, never copied. The score pass takes TILE = V positions at a time: for each query
  * head it accumulates TILE dot-product vectors, then sums all TILE of them at once with a
  * tree of two-vector shuffles (log2 V levels), which costs far less than one horizontal
- * sum per dot product. The value pass adds TILE rows into each accumulator vector before
- * storing it. Where the compiler targets AVX512-BF16 (-march=native on a CPU that has it),
+ * sum per dot product. The value pass keeps up to RB heads x VB vectors of accumulators in
+ * registers through a tile's TILE positions, each V vector loaded once for those heads. Where the compiler targets AVX512-BF16 (-march=native on a CPU that has it),
  * bf16 q and K with head_dim a multiple of 32 take vdpbf16ps in the score pass: 32
  * products (exact in fp32, as the widened ones) per instruction, each lane summing a pair,
  * where the widened path loads, widens and multiplies 16 at a time.
@@ -64,7 +64,8 @@
 #define CHUNK 256           /* positions per task; a multiple of TILE */
 #define MIN_PARALLEL 1024   /* below this many (position, kv head) pairs, run inline */
 #define PREFETCH_AHEAD 8    /* positions ahead whose K/V records are prefetched (to L1) */
-#define RB 4                /* query heads of one kv head scored together */
+#define RB 4                /* query heads of one kv head scored (and summed) together */
+#define VB 4                /* vectors of head_dim one value block sums in registers */
 #define MAX_MEMBERS 16      /* sequences one task serves from a chunk they share */
 
 typedef struct {
@@ -272,24 +273,53 @@ static ALWAYS_INLINE void score_pass(const Problem *p, const int64_t *slots, int
     }
 }
 
+/* acc[h0 + i][c .. c + nw V) += sum_{t < m} w[h0 + i][t] v_t for i < nr (<= RB) heads of
+ * one kv head: the nr x nw sums stay in registers through the tile's positions, each V
+ * vector loaded (and widened) once for all nr heads; every sum runs in position order. */
+static ALWAYS_INLINE void accumulate_block(const Problem *p, Scratch *s, const int64_t *rows,
+                                           int64_t head, int h0, int nr, int c, int nw, int j,
+                                           int m, int d, int dtype) {
+    vf a[RB][VB];
+    for (int i = 0; i < nr; i++)
+        for (int w = 0; w < nw; w++) a[i][w] = load_f(s->acc + (int64_t)(h0 + i) * d + c + w * V);
+    for (int t = 0; t < m; t++) {
+        vf vt[VB];
+        for (int w = 0; w < nw; w++) vt[w] = load_v(p->v, dtype, rows[t] + head + c + w * V);
+        for (int i = 0; i < nr; i++) {
+            const float x = s->scores[(int64_t)(h0 + i) * CHUNK + j + t];
+            for (int w = 0; w < nw; w++) a[i][w] += x * vt[w];
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int w = 0; w < nw; w++) store_f(s->acc + (int64_t)(h0 + i) * d + c + w * V, a[i][w]);
+}
+
+/* accumulate_block for the g heads of one kv head, RB at a time (a constant count keeps
+ * the sums in registers) */
+static ALWAYS_INLINE void accumulate_heads(const Problem *p, Scratch *s, const int64_t *rows,
+                                           int64_t head, int h, int g, int c, int nw, int j,
+                                           int m, int d, int dtype) {
+    for (int r = 0; r < g; r += RB) {
+        switch (g - r) {
+        case 1: accumulate_block(p, s, rows, head, h + r, 1, c, nw, j, m, d, dtype); break;
+        case 2: accumulate_block(p, s, rows, head, h + r, 2, c, nw, j, m, d, dtype); break;
+        case 3: accumulate_block(p, s, rows, head, h + r, 3, c, nw, j, m, d, dtype); break;
+        default: accumulate_block(p, s, rows, head, h + r, RB, c, nw, j, m, d, dtype); break;
+        }
+    }
+}
+
 /* acc[h] += sum_{t < m} w[h][t] v_t over the rows of one tile, for every head */
 static ALWAYS_INLINE void accumulate(const Problem *p, Scratch *s, const int64_t *rows, int j,
                                      int m, int d, int dtype, int g) {
     const int vec_end = d / V * V;
     for (int kvh = 0; kvh < p->kv_heads; kvh++) {
         const int64_t head = kvh * p->v_head_stride;
-        for (int c = 0; c < vec_end; c += V) {
-            vf vt[TILE];
-            for (int t = 0; t < m; t++) vt[t] = load_v(p->v, dtype, rows[t] + head + c);
-            for (int r = 0; r < g; r++) {
-                const int h = kvh * g + r;
-                const float *w = s->scores + (int64_t)h * CHUNK + j;
-                float *acc = s->acc + (int64_t)h * d + c;
-                vf a = load_f(acc);
-                for (int t = 0; t < m; t++) a += w[t] * vt[t];
-                store_f(acc, a);
-            }
-        }
+        int c = 0;
+        for (; c + VB * V <= vec_end; c += VB * V)
+            accumulate_heads(p, s, rows, head, kvh * g, g, c, VB, j, m, d, dtype);
+        for (; c < vec_end; c += V)
+            accumulate_heads(p, s, rows, head, kvh * g, g, c, 1, j, m, d, dtype);
         for (int c = vec_end; c < d; c++) /* head_dim off the vector width */
             for (int r = 0; r < g; r++) {
                 const int h = kvh * g + r;
