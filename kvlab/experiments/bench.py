@@ -54,6 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvlab.build import Engine
+from kvlab.model.host_memory import keep_freed_memory
 from kvlab.model.loading import LoadedModel
 from kvlab.peers.hf import (
     PAGE_SIZE,
@@ -464,6 +465,13 @@ def run_bench(
         else None,
         "nice": os.nice(0) if hasattr(os, "nice") else None,
         "load_average_at_start": load_average,  # other work on the machine
+        # host malloc: kvlab's CPU runners keep freed memory (kvlab.model.host_memory);
+        # what the environment sets for every process (vLLM's too): glibc's MALLOC_*
+        # tunables, a preloaded allocator (vLLM's docs recommend tcmalloc)
+        "kvlab_keeps_freed_memory": model.device.type == "cpu" and keep_freed_memory(),
+        "malloc_environment": {
+            k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"
+        },
         "requests": len(requests),
         "prompt_tokens": sum(map(len, prompts)),
         "max_new_tokens": sum(max_new),
