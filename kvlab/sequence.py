@@ -33,7 +33,7 @@ class Note:
     text: str  # a sentence for people
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: `seq in running` compares identities
 class Sequence:
     """One request. `num_computed` counts the tokens whose K/V are stored in the cache."""
 
