@@ -32,10 +32,11 @@
  * head it accumulates TILE dot-product vectors, then sums all TILE of them at once with a
  * tree of two-vector shuffles (log2 V levels), which costs far less than one horizontal
  * sum per dot product. The value pass keeps up to RB heads x VB vectors of accumulators in
- * registers through a tile's TILE positions, each V vector loaded once for those heads. Where the compiler targets AVX512-BF16 (-march=native on a CPU that has it),
- * bf16 q and K with head_dim a multiple of 32 take vdpbf16ps in the score pass: 32
- * products (exact in fp32, as the widened ones) per instruction, each lane summing a pair,
- * where the widened path loads, widens and multiplies 16 at a time.
+ * registers through a tile's TILE positions, each V vector loaded once for those heads.
+ * Where the compiler targets AVX512-BF16 (-march=native on a CPU that has it), bf16 q and
+ * K with head_dim a multiple of 32 take vdpbf16ps in the score pass: 32 products (exact in
+ * fp32, as the widened ones) per instruction, each lane summing a pair, where the widened
+ * path loads, widens and multiplies 16 at a time.
  * exp is a range-reduced polynomial (~1 ulp), branch-free. Records PREFETCH_AHEAD
  * positions ahead are prefetched into L1 (blocks are scattered, so the hardware prefetcher
  * cannot guess where the next one starts; eight records of a SmolLM2 layer are 6 KB, well

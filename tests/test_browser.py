@@ -385,7 +385,13 @@ def _save(page, server: JupyterLab, name: str) -> nbformat.NotebookNode:
     while path.stat().st_mtime_ns == before and time.monotonic() < deadline:
         time.sleep(0.3)
     assert path.stat().st_mtime_ns != before, "the notebook was not saved (Ctrl+S)"
-    return nbformat.read(path, as_version=4)
+    while True:  # Jupyter writes the file in place (a backup beside it): it may be mid-write
+        try:
+            return nbformat.read(path, as_version=4)
+        except nbformat.reader.NotJSONError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
 
 
 def _errors(nb: nbformat.NotebookNode) -> list[str]:

@@ -13,9 +13,9 @@ kept for reuse, 67,000 and 2.4 s.
 `keep_freed_memory()` sets glibc's malloc (through `mallopt`) to serve requests of up to
 1 GiB from its heap and never to trim it, so a step's buffers land in pages an earlier
 step already faulted in. vLLM's CPU backend reaches the same end by preloading tcmalloc
-(vllm/platforms/cpu.py, "to reduce memory allocation overhead"); PyTorch's CPU tuning
-guide recommends tcmalloc or jemalloc for the same reason. The cost: the process keeps
-its peak heap instead of returning it. Elsewhere than glibc it does nothing.
+where its wheel bundles it (vllm/platforms/cpu.py in vLLM 0.32, "to reduce memory
+allocation overhead"). The cost: the process keeps its peak heap instead of returning it.
+Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
