@@ -144,7 +144,7 @@ static void panels(const Stream *s, int64_t p0, int64_t p1) {
 
 static int stream_tasks(void *arg) {
     Stream *s = arg;
-    const int64_t count = s->n / (s->bf16 ? 16 : V);
+    const int64_t count = s->n / V;
     for (;;) {
         const int task = __atomic_fetch_add(&s->next_task, 1, __ATOMIC_RELAXED);
         if (task >= s->tasks) return KVLAB_OK;
@@ -152,10 +152,11 @@ static int stream_tasks(void *arg) {
     }
 }
 
+/* Panels are V columns wide in either dtype: bf16 runs only where BF16_BUILT, so V is 16. */
 static int run(Stream s, int num_threads) {
-    const int64_t width = s.bf16 ? 16 : V, count = s.n / width;
-    if (!s.x || !s.w || !s.out || s.rows < 1 || s.rows > STREAM_MAX_ROWS || s.n < width ||
-        s.n % width || s.k < 1 || (s.bf16 && s.k % 2) || s.x_stride < s.k || s.out_stride < s.n)
+    const int64_t count = s.n / V;
+    if (!s.x || !s.w || !s.out || s.rows < 1 || s.rows > STREAM_MAX_ROWS || s.n < V ||
+        s.n % V || s.k < 1 || (s.bf16 && s.k % 2) || s.x_stride < s.k || s.out_stride < s.n)
         return KVLAB_EARG;
     const int threads = num_threads < 1 ? 1 : num_threads;
     s.tasks = (int)(count < threads * TASKS_PER_THREAD ? count : threads * TASKS_PER_THREAD);
