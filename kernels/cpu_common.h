@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) /* bf16_bits: vcvtneps2bf16 */
+#if defined(__AVX512F__) || defined(__FMA__) /* fma_f; bf16_bits: vcvtneps2bf16 */
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,21 @@ typedef float vf_mem __attribute__((vector_size(V * 4), aligned(4), may_alias));
 typedef uint16_t vu16_mem __attribute__((vector_size(V * 2), aligned(2), may_alias));
 static ALWAYS_INLINE vf load_f(const float *p) { return *(const vf_mem *)p; }
 static ALWAYS_INLINE void store_f(float *p, vf x) { *(vf_mem *)p = x; }
+
+/* acc + a b with one rounding (a fused multiply-add), written out rather than left to the
+ * compiler, which contracts a b + c where it chooses: an AVX2 build of cpu_stream.c by GCC
+ * 12 fused the products of its multi-row blocks and not of its one-row block, so a row's
+ * bits depended on the rows beside it. */
+static ALWAYS_INLINE vf fma_f(vf acc, vf a, vf b) {
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, acc);
+#elif defined(__FMA__) && V == 8
+    return _mm256_fmadd_ps(a, b, acc);
+#else
+    for (int i = 0; i < V; i++) acc[i] = __builtin_fmaf(a[i], b[i], acc[i]);
+    return acc;
+#endif
+}
 
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
