@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__FMA__) /* fma_f; bf16_bits: vcvtneps2bf16 */
+#if defined(__AVX512F__) || defined(__AVX__) /* splat_f, fma_f; bf16_bits: vcvtneps2bf16 */
 #include <immintrin.h>
 #endif
 
@@ -63,6 +63,20 @@ static ALWAYS_INLINE void store_f(float *p, vf x) { *(vf_mem *)p = x; }
  * compiler, which contracts a b + c where it chooses: an AVX2 build of cpu_stream.c by GCC
  * 12 fused the products of its multi-row blocks and not of its one-row block, so a row's
  * bits depended on the rows beside it. */
+/* x in every lane (one broadcast; (vf){0} + x would also add the zero, which a compiler
+ * keeps, since 0 + -0 is +0) */
+static ALWAYS_INLINE vf splat_f(float x) {
+#if defined(__AVX512F__)
+    return _mm512_set1_ps(x);
+#elif defined(__AVX__) && V == 8
+    return _mm256_set1_ps(x);
+#else
+    vf v;
+    for (int i = 0; i < V; i++) v[i] = x;
+    return v;
+#endif
+}
+
 static ALWAYS_INLINE vf fma_f(vf acc, vf a, vf b) {
 #if defined(__AVX512F__)
     return _mm512_fmadd_ps(a, b, acc);

@@ -13,12 +13,12 @@ rounded to bf16 once at the end). Every output's sum runs in an order fixed by i
 row and column, so the bits do not depend on the thread count or the other rows.
 
 `stream_pays(dtype)` says where the runner uses it (kvlab.model.linear.StreamLinears):
-where the library is built for AVX-512, whose 32 registers hold a block of 16 rows (bf16:
-and AVX512-BF16; the runner prefers the AMX linears where the CPU has AMX). On the 2-core
+wherever the library is built for it (fp32: FMA vectors, AVX-512 or AVX2; bf16:
+AVX512-BF16; the runner prefers the AMX linears where the CPU has AMX). On the 2-core
 Xeon kvlab is developed on it runs SmolLM2-135M's 121 fp32 matmuls of a 16-row step in
-about three quarters of oneDNN's time, and on the 2-core AMD EPYC with AVX-512 and
-AVX512-BF16 (no AMX) its bf16 ones in about 0.7 of oneDNN's time (`kvlab profile` shows
-both); AVX2 builds keep oneDNN until the kernel is measured there.
+about three quarters of oneDNN's time, on the 2-core AMD EPYC with AVX-512 and
+AVX512-BF16 (no AMX) its bf16 ones in about 0.7 of oneDNN's time, and on the 2-core AMD
+EPYC with AVX2 its fp32 ones in about two thirds (`kvlab profile` shows both).
 
 This module imports only torch and the standard library.
 """
@@ -45,8 +45,8 @@ ENTRIES = {  # dtype -> (pack, linear)
 @functools.cache
 def stream_width(dtype: torch.dtype = torch.float32) -> int:
     """Columns per panel of the kernel for `dtype`: fp32, the library's floats per vector
-    (16 with AVX-512, else 8); bf16, 16 where the build has AVX512-BF16; 0 where there is
-    no such kernel or no library."""
+    (16 with AVX-512, 8 with AVX2) where the build has FMA instructions; bf16, 16 where it
+    has AVX512-BF16; 0 where there is no such kernel or no library."""
     if dtype not in DTYPES:
         return 0
     try:
@@ -57,10 +57,12 @@ def stream_width(dtype: torch.dtype = torch.float32) -> int:
 
 def stream_pays(dtype: torch.dtype = torch.float32) -> bool:
     """Whether steps of up to MAX_ROWS rows in `dtype` run faster through the kernel than
-    through oneDNN here, decided from the build: where it is built for AVX-512 (16-float
-    vectors; bf16: with AVX512-BF16). Measured on AVX-512 machines only (fp32 on the Xeon
-    and the EPYC, bf16 on the EPYC), so the AVX2 build keeps oneDNN."""
-    return stream_width(torch.float32) == 16 and stream_width(dtype) == 16
+    through oneDNN here, decided from the build: wherever the kernel is built for `dtype`
+    (fp32: FMA vectors, AVX-512 or AVX2; bf16: AVX512-BF16). Measured in fp32 on the Xeon,
+    the AMD EPYC with AVX-512 and the AMD EPYC with AVX2 (there SmolLM2-135M's 121 matmuls
+    of a step take 31-35 ms against oneDNN's 42-48 for 1 row, 49-55 against 76-82 for 16,
+    73-91 against 100-106 for 32), in bf16 on the EPYC with AVX512-BF16."""
+    return stream_width(torch.float32) > 0 and stream_width(dtype) > 0
 
 
 def stream_fits(weight: torch.Tensor) -> bool:
@@ -94,12 +96,13 @@ class PackedStream:
         """Pack W (N, K) fp32 or bf16, its rows contiguous; ValueError if `stream_fits`
         says no."""
         if not stream_fits(weight) or weight.stride(1) != 1:
+            has = {dt: "yes" if stream_width(dt) else "no" for dt in ENTRIES}
             raise ValueError(
                 f"the stream linear takes a (N, K) fp32 CPU weight with N a multiple of "
-                f"{stream_width()}, or bf16 with N a multiple of 16 and K even where the "
-                f"build has AVX512-BF16 ({'yes' if stream_width(torch.bfloat16) else 'no'} "
-                f"here), with contiguous rows; got {tuple(weight.shape)} {weight.dtype} on "
-                f"{weight.device}"
+                f"{stream_width()} where the build has FMA instructions ({has[torch.float32]} "
+                f"here), or bf16 with N a multiple of 16 and K even where the build has "
+                f"AVX512-BF16 ({has[torch.bfloat16]} here), with contiguous rows; got "
+                f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
             )
         n, k = weight.shape
         panels = cpu_packed.pack(ENTRIES[weight.dtype][0], weight, ERRORS)

@@ -23,7 +23,7 @@ needs_amx = pytest.mark.skipif(
     not (cpu_kernels_available() and amx_ready()), reason="needs a CPU with AMX-BF16"
 )
 needs_stream = pytest.mark.skipif(
-    not (cpu_kernels_available() and stream_pays()), reason="needs an AVX-512 build"
+    not (cpu_kernels_available() and stream_pays()), reason="needs a build with FMA vectors"
 )
 needs_bf16 = pytest.mark.skipif(
     not (cpu_kernels_available() and (amx_ready() or stream_pays(torch.bfloat16))),

@@ -31,7 +31,7 @@ from kvlab.model.runner import ModelRunner
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 needs_stream = pytest.mark.skipif(
-    not (cpu_kernels_available() and stream_pays()), reason="needs an AVX-512 build"
+    not (cpu_kernels_available() and stream_pays()), reason="needs a build with FMA vectors"
 )
 needs_bf16 = pytest.mark.skipif(
     not (cpu_kernels_available() and stream_width(torch.bfloat16)),
