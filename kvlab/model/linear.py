@@ -17,9 +17,9 @@ which streams each weight from a copy packed once in the order it reads it: on t
 Xeon kvlab is developed on, SmolLM2-135M's 121 matmuls of a 16-row step take about 12.5 ms
 (21.5 GB/s of weights) against oneDNN's 16-20 ms. Larger steps (prompts) stay on oneDNN.
 `StreamLinears` does the same for fp32 steps, and for bf16 steps where the CPU has no AMX,
-through kvlab's vector stream (kvlab.kernels.cpu_stream) where the library is built for
-AVX-512 (bf16: and AVX512-BF16). Both are `PackedLinears`: a kernel, the weights it takes
-packed once, the rest left to `linears`.
+through kvlab's vector stream (kvlab.kernels.cpu_stream) where the library is built with
+FMA vectors, AVX-512 or AVX2 (bf16: AVX512-BF16). Both are `PackedLinears`: a kernel,
+the weights it takes packed once, the rest left to `linears`.
 """
 
 from __future__ import annotations
