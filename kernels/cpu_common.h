@@ -60,9 +60,10 @@ static ALWAYS_INLINE vf load_f(const float *p) { return *(const vf_mem *)p; }
 static ALWAYS_INLINE void store_f(float *p, vf x) { *(vf_mem *)p = x; }
 
 /* acc + a b with one rounding (a fused multiply-add), written out rather than left to the
- * compiler, which contracts a b + c where it chooses: an AVX2 build of cpu_stream.c by GCC
- * 12 fused the products of its multi-row blocks and not of its one-row block, so a row's
- * bits depended on the rows beside it. */
+ * compiler, which contracts a b + c where it chooses: GCC 12 tuning for Zen 3
+ * (-march=native there), which avoids chains of FMAs, fused the products of cpu_stream.c's
+ * multi-row blocks and not of its one-row block, so a row's bits depended on the rows
+ * beside it (-march=x86-64-v3 fused all of them). */
 /* x in every lane (one broadcast; (vf){0} + x would also add the zero, which a compiler
  * keeps, since 0 + -0 is +0) */
 static ALWAYS_INLINE vf splat_f(float x) {
