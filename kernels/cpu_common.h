@@ -59,11 +59,6 @@ typedef uint16_t vu16_mem __attribute__((vector_size(V * 2), aligned(2), may_ali
 static ALWAYS_INLINE vf load_f(const float *p) { return *(const vf_mem *)p; }
 static ALWAYS_INLINE void store_f(float *p, vf x) { *(vf_mem *)p = x; }
 
-/* acc + a b with one rounding (a fused multiply-add), written out rather than left to the
- * compiler, which contracts a b + c where it chooses: GCC 12 tuning for Zen 3
- * (-march=native there), which avoids chains of FMAs, fused the products of cpu_stream.c's
- * multi-row blocks and not of its one-row block, so a row's bits depended on the rows
- * beside it (-march=x86-64-v3 fused all of them). */
 /* x in every lane (one broadcast; (vf){0} + x would also add the zero, which a compiler
  * keeps, since 0 + -0 is +0) */
 static ALWAYS_INLINE vf splat_f(float x) {
@@ -78,11 +73,23 @@ static ALWAYS_INLINE vf splat_f(float x) {
 #endif
 }
 
+#if defined(__AVX512F__) || defined(__FMA__) /* fma_f is one instruction */
+#define KVLAB_HAVE_FMA 1
+#else
+#define KVLAB_HAVE_FMA 0
+#endif
+
+/* acc + a b with one rounding (a fused multiply-add), written out rather than left to the
+ * compiler, which contracts a b + c where it chooses: GCC 12 tuning for Zen 3
+ * (-march=native there), which avoids chains of FMAs, fused the products of cpu_stream.c's
+ * multi-row blocks and not of its one-row block, so a row's bits depended on the rows
+ * beside it (-march=x86-64-v3 fused all of them). Without FMA instructions, fmaf per lane
+ * (the same bits, slowly). */
 static ALWAYS_INLINE vf fma_f(vf acc, vf a, vf b) {
 #if defined(__AVX512F__)
     return _mm512_fmadd_ps(a, b, acc);
-#elif defined(__FMA__) && V == 8
-    return _mm256_fmadd_ps(a, b, acc);
+#elif KVLAB_HAVE_FMA
+    return _mm256_fmadd_ps(a, b, acc); /* V is 8 */
 #else
     for (int i = 0; i < V; i++) acc[i] = __builtin_fmaf(a[i], b[i], acc[i]);
     return acc;

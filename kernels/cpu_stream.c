@@ -20,11 +20,12 @@
  * even).
  *
  * Every output is one fp32 chain of fused multiply-adds (fma_f) over the steps in order,
- * fixed by its row and column alone, so the result is the same bits for any thread count and any rows beside it. N a
- * multiple of V (bf16: of 16, K even). On the 2-core Xeon kvlab is developed on,
- * SmolLM2-135M's 121 fp32 matmuls for 16 rows take about three quarters of oneDNN's time;
- * on the 2-core AMD EPYC with AVX-512 and AVX512-BF16 (no AMX) its bf16 ones take about
- * 0.7 of oneDNN's (`kvlab profile` times both).
+ * fixed by its row and column alone, so the result is the same bits for any thread count
+ * and any rows beside it. N a multiple of V (bf16: of 16, K even). On the 2-core Xeon
+ * kvlab is developed on, SmolLM2-135M's 121 fp32 matmuls for 16 rows take about three
+ * quarters of oneDNN's time; on the 2-core AMD EPYC with AVX-512 and AVX512-BF16 (no AMX)
+ * its bf16 ones take about 0.7 of oneDNN's, and on the 2-core AMD EPYC with AVX2 its fp32
+ * ones about two thirds (`kvlab profile` times both).
  */
 
 #include "cpu_common.h"
@@ -46,16 +47,10 @@
 #define ROWS 12 /* of AVX2's 16 registers */
 #endif
 
-#if defined(__AVX512F__) || defined(__FMA__) /* fma_f is one instruction */
-#define F32_BUILT 1
-#else
-#define F32_BUILT 0
-#endif
-
 /* Columns per panel of the kernel for `dtype`: V in fp32 where the build has FMA
  * instructions; 16 in bf16 where it has AVX512-BF16; 0 where there is no such kernel. */
 int kvlab_stream_width(int dtype) {
-    return dtype == DT_F32 && F32_BUILT ? V : dtype == DT_BF16 && BF16_BUILT ? 16 : 0;
+    return dtype == DT_F32 && KVLAB_HAVE_FMA ? V : dtype == DT_BF16 && BF16_BUILT ? 16 : 0;
 }
 
 /* W (N, K) fp32, row stride w_stride elements -> packed (N * K elements, the layout above). */
@@ -135,7 +130,7 @@ static ALWAYS_INLINE void block_bf16(const Stream *s, int64_t p, int r0, int R) 
 /* Rows in blocks of equal size (within one), at most ROWS each: 16 rows on AVX2 are two
  * blocks of 8, not 12 and 4, whose four accumulator chains leave the FMA units waiting on
  * their latency (on the 2-core AMD EPYC with AVX2, SmolLM2's gate/up for 16 rows from the
- * cache: 86 GFLOP/s as 12 + 4, 103 as 8 + 8). */
+ * cache: 86 GFLOP/s as 12 + 4, 101 as 8 + 8). */
 static void panels(const Stream *s, int64_t p0, int64_t p1) {
     const int blocks = (s->rows + ROWS - 1) / ROWS;
     for (int64_t p = p0; p < p1; p++)
