@@ -228,6 +228,7 @@ class Tab:
 
     def __init__(self, server: JupyterLab, browser):
         self.server, self.browser, self.page = server, browser, None
+        self.errors: list[str] = []  # the page's console errors, for a failure's message
 
     def open(self, name: str):
         """The page, showing notebooks/`name` with its kernel started and idle."""
@@ -235,6 +236,9 @@ class Tab:
         if self.page is None:
             self.page = self.browser.new_page(viewport={"width": 1600, "height": 1800})
             self.page.set_default_timeout(60_000)
+            self.errors = []
+            self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+            self.page.on("pageerror", lambda error: self.errors.append(str(error)))
             # A workspace of its own: JupyterLab would otherwise reopen the notebooks
             # of earlier pages as hidden tabs beside this one.
             workspace = Path(name).stem
@@ -513,7 +517,7 @@ def _redrawn(page, cell, before: list[str]) -> bool:
     return _wait_for_change(cell, before, REDRAW_TIMEOUT_S)
 
 
-def _check_app(page, cell) -> str:
+def _check_app(page, cell, errors: list[str]) -> str:
     """Move the app's first control and see its figure redraw (pressing Run first where
     the app has one: the dashboard recomputes on Run, not on a move)."""
     cell.scroll_into_view_if_needed()
@@ -526,7 +530,8 @@ def _check_app(page, cell) -> str:
     changed = _redrawn(page, cell, before)
     assert changed, (
         f"the plotly figure did not change in {REDRAW_TIMEOUT_S:.0f} s after the move "
-        f"({moved}); its titles: {cell.evaluate(TITLES_JS)}"
+        f"({moved}); its titles: {cell.evaluate(TITLES_JS)}; the page's last console "
+        f"errors: {errors[-5:]}"
     )
     return moved
 
@@ -563,7 +568,7 @@ def check_in_browser(server: JupyterLab, tab: Tab, name: str, screenshot: Path, 
 
         cells = page.locator(f"{PANEL} .jp-Cell")
         apps = [cells.nth(i) for i, cell in enumerate(nb.cells) if _outputs(cell, WIDGET_MIME)]
-        moves = [_check_app(page, cell) for cell in apps]
+        moves = [_check_app(page, cell, tab.errors) for cell in apps]
         animated = cells.filter(has=page.locator(".js-plotly-plot .slider-container"))
         moves += [_check_animation(page, animated.nth(i)) for i in range(animated.count())]
 

@@ -124,3 +124,16 @@ def test_block_size_dropdown_adds_points(model, requests):
     explorer.dropdown.value = 4  # measured already: no new run, same points
     assert explorer.results == results and list(bars[0].x) == ["4", "128"]
     assert list(explorer.table().index) == [4, 128]
+
+
+def test_a_shown_app_carries_its_figure_as_it_stands(engines):
+    """The state a front end draws first is the figure as the app left it (its title, its
+    cells): the edits made before it is shown, sent as one-off messages, are not needed."""
+    explorer = BlockMapExplorer(engines["paged"], blocks_per_row=8)
+    figure = explorer.figure
+    assert "title" not in figure._widget_layout  # the title came after the widget was made
+    (shown,) = [w for w in explorer.widget().children if w is figure]
+    assert shown._widget_layout["title"]["text"] == figure.layout.title.text
+    assert shown._widget_data[0]["z"] == [list(row) for row in figure.data[0].z]
+    explorer.slider.value = 1  # shown again after a move, it carries the move
+    assert explorer.widget().children[1]._widget_layout["title"]["text"].startswith("step 1 ")

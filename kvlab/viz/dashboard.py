@@ -210,7 +210,7 @@ class Dashboard(App):
         )
         return result
 
-    def widget(self) -> widgets.Widget:
+    def view(self) -> widgets.Widget:
         controls = widgets.VBox([self.workload, self.n, self.budget, self.run_button])
         remote = widgets.HBox([self.endpoint, self.replay_button])
         top = widgets.HBox([controls, self.configs])

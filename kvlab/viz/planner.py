@@ -153,7 +153,7 @@ class PlannerApp(App):
             )
         self.summary.value = f"<pre>{html.escape(p.summary())}</pre>"
 
-    def widget(self) -> widgets.Widget:
+    def view(self) -> widgets.Widget:
         controls = self.controls()
         return widgets.VBox(
             [

@@ -253,7 +253,7 @@ class SharingExplorer(App):
     def _row(self, mode: str, block_size: int, n: int) -> dict[str, float]:
         return self.results[(mode, block_size, n)]
 
-    def widget(self) -> widgets.Widget:
+    def view(self) -> widgets.Widget:
         return widgets.VBox([widgets.HBox([self.requests, self.block_size]), self.figure])
 
 

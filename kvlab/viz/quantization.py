@@ -81,7 +81,7 @@ class CodecExplorer(App):
             f"mean {v_err.abs().mean():.3g}"
         )
 
-    def widget(self) -> widgets.Widget:
+    def view(self) -> widgets.Widget:
         return widgets.VBox([widgets.HBox([self.codec, self.layer]), self.summary, self.figure])
 
 

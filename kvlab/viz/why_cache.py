@@ -61,5 +61,5 @@ class CacheLatencyExplorer(App):
                 trace.x = rows["position"].tolist()
                 trace.y = (rows["latency_s"] * 1e3).tolist()
 
-    def widget(self) -> widgets.Widget:
+    def view(self) -> widgets.Widget:
         return widgets.VBox([widgets.HBox([self.prompt_len, self.new_tokens]), self.figure])
