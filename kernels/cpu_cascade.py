@@ -15,9 +15,19 @@ and its CPU backend never did) splits each sequence's context in two:
 Softmax over the whole context is the two parts' softmaxes weighted by their denominators
 (the log-sum-exp merge flash attention uses between chunks), so the result is attention
 over every position; the shared part rounds its weights to bf16 for the tile unit, as the
-AMX prompt kernel does. `cascade_pays` says when to take it (the first two rules of vLLM's
-former `use_cascade_attention`: a prefix of at least 256 positions and at least 8
-sequences).
+AMX prompt kernel does. `cascade_pays` says when to take it: where the decode kernel would
+read the prefix again many times. That kernel already reads a chunk that up to
+DECODE_MEMBERS sequences share once for all of them, so cascade attention saves the
+prefix's reads beyond the first DECODE_MEMBERS sequences, and it costs a second call and a
+merge. It is taken where shared x (B - DECODE_MEMBERS) >= MIN_REREAD x DECODE_MEMBERS (in
+positions: the prefix read again 640 times over per DECODE_MEMBERS sequences) and shared
+>= 256 (the first rule of vLLM's former `use_cascade_attention`). Measured on the 2-core
+Xeon (`python benchmarks/cascade.py`, one layer): at 8 sequences cascade attention was
+slower than the decode kernel alone on every prefix from 304 to 2,048 positions, at 16
+within about 20% either way, at 32 faster from 640 positions, at 64 from 304; on the
+doc-QA workload in bf16 (a 304-position preamble, 8 to 32 sequences with ~1,100-position
+contexts) taking it by vLLM's two rules (256 positions, 8 sequences) made the decode steps'
+attention about 12% slower than the decode kernel alone.
 
 This module imports only torch and the standard library.
 """
@@ -33,7 +43,8 @@ from .cpu_decode import cpu_paged_decode_attention
 from .cpu_prefill import amx_ready, amx_takes
 
 MIN_SHARED = 256  # positions; the threshold of vLLM's former use_cascade_attention
-MIN_SEQS = 8  # sequences; likewise
+DECODE_MEMBERS = 16  # cpu_decode.c's MAX_MEMBERS: sequences one task serves a shared chunk
+MIN_REREAD = 640  # positions the decode kernel would read again, per DECODE_MEMBERS seqs
 ERRORS = {1: "invalid arguments", 2: "invalid lengths", 3: "a slot out of range",
           5: "this CPU, kernel or build has no AMX-BF16"}  # fmt: skip
 PREFIX_SIGNATURE = (
@@ -48,8 +59,9 @@ PREFIX_SIGNATURE = (
 def cascade_pays(q: torch.Tensor, k_cache: torch.Tensor, shared: int) -> bool:
     """Whether a decode step of q's B sequences sharing their first `shared` positions
     takes cascade attention: bf16 on a CPU whose tile unit runs, shared >= MIN_SHARED and
-    B >= MIN_SEQS."""
-    enough = shared >= MIN_SHARED and q.shape[0] >= MIN_SEQS
+    shared x (B - DECODE_MEMBERS) >= MIN_REREAD x DECODE_MEMBERS (see above)."""
+    rereads = shared * (q.shape[0] - DECODE_MEMBERS)
+    enough = shared >= MIN_SHARED and rereads >= MIN_REREAD * DECODE_MEMBERS
     return enough and amx_takes(q, k_cache) and amx_ready()
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from kvlab.kernels import cpu_kernels_available, cpu_paged_decode_attention
 from kvlab.kernels.cpu_cascade import (
-    MIN_SEQS,
+    DECODE_MEMBERS,
+    MIN_REREAD,
     MIN_SHARED,
     cascade_pays,
     cpu_cascade_decode_attention,
@@ -89,12 +90,17 @@ def test_a_prior_merges_as_positions_that_came_first():
 
 
 @needs_kernels
-def test_the_rule_takes_long_prefixes_of_many_sequences_in_bf16_only():
-    q, k = torch.zeros(MIN_SEQS, 9, 64).bfloat16(), torch.zeros(4, 3, 64).bfloat16()
-    assert cascade_pays(q, k, MIN_SHARED) == amx_ready()
-    assert not cascade_pays(q, k, MIN_SHARED - 1)
-    assert not cascade_pays(q[:-1], k, MIN_SHARED)
-    assert not cascade_pays(q.float(), k.float(), MIN_SHARED)
+def test_the_rule_takes_a_prefix_the_decode_kernel_would_read_again_often_in_bf16_only():
+    def pays(batch: int, shared: int, dtype=torch.bfloat16) -> bool:
+        q, k = torch.zeros(batch, 9, 64, dtype=dtype), torch.zeros(4, 3, 64, dtype=dtype)
+        return cascade_pays(q, k, shared)
+
+    assert pays(2 * DECODE_MEMBERS, MIN_REREAD) == amx_ready()  # the prefix read twice
+    assert not pays(2 * DECODE_MEMBERS, MIN_REREAD - 1)
+    assert not pays(DECODE_MEMBERS, 4096)  # one decode task serves them all
+    assert pays(4 * DECODE_MEMBERS, MIN_SHARED) == amx_ready()
+    assert not pays(1024, MIN_SHARED - 1)
+    assert not pays(2 * DECODE_MEMBERS, 4096, torch.float32)
 
 
 def test_the_decode_group_holds_every_decode_and_their_shared_prefix():

@@ -12,6 +12,7 @@ them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from functools import partial
 
@@ -189,7 +190,7 @@ def shared_prefix_case(
 
 def cascade_rows(
     prefixes: list[int],
-    batch: int = 32,
+    batches: tuple[int, ...] = (32,),
     own: int = 300,
     rounds: int = 5,
     heads=9,
@@ -197,17 +198,17 @@ def cascade_rows(
     head_dim=64,
     seed=0,
 ) -> list[dict]:
-    """For each shared prefix length P: one layer's bf16 decode attention of `batch`
-    sequences whose first P positions are the same blocks and whose own parts are 1 to
-    `own` positions more (shared_prefix_case), through the decode kernel (each sequence
-    reads the prefix) and through cascade attention (the prefix once for all), alternated,
-    best of `rounds`; the largest difference between the two. Needs a CPU with AMX-BF16
-    (cascade_pays)."""
+    """For each batch size B and shared prefix length P: one layer's bf16 decode attention
+    of B sequences whose first P positions are the same blocks and whose own parts are 1 to
+    `own` positions more (shared_prefix_case), through the decode kernel (a chunk shared
+    by up to 16 sequences read once for them) and through cascade attention (the prefix
+    once for all), alternated, best of `rounds`; the largest difference between the two,
+    and whether cascade_pays takes it. Needs a CPU with AMX-BF16."""
     from kvlab.kernels import cpu_paged_decode_attention
-    from kvlab.kernels.cpu_cascade import cpu_cascade_decode_attention
+    from kvlab.kernels.cpu_cascade import cascade_pays, cpu_cascade_decode_attention
 
     rows = []
-    for shared in prefixes:
+    for batch, shared in itertools.product(batches, prefixes):
         q, k, v, slots, lens = shared_prefix_case(
             batch, shared, own, heads, kv_heads, head_dim, seed + shared
         )
@@ -222,6 +223,6 @@ def cascade_rows(
         rows.append({
             "sequences": batch, "shared": shared, "mean_context": float(lens.float().mean()),
             "decode_kernel_ms": min(times["decode kernel"]), "cascade_ms": min(times["cascade"]),
-            "max_abs_diff": diff,
+            "max_abs_diff": diff, "taken": cascade_pays(q, k, shared),
         })  # fmt: skip
     return rows
