@@ -19,9 +19,9 @@ AMX prompt kernel does. `cascade_pays` says when to take it: where the decode ke
 read the prefix again many times. That kernel already reads a chunk that up to
 DECODE_MEMBERS sequences share once for all of them, so cascade attention saves the
 prefix's reads beyond the first DECODE_MEMBERS sequences, and it costs a second call and a
-merge. It is taken where shared x (B - DECODE_MEMBERS) >= MIN_REREAD x DECODE_MEMBERS (in
-positions: the prefix read again 640 times over per DECODE_MEMBERS sequences) and shared
->= 256 (the first rule of vLLM's former `use_cascade_attention`). Measured on the 2-core
+merge. It is taken where the prefix positions the decode kernel would read again,
+shared x (B - DECODE_MEMBERS) / DECODE_MEMBERS, are at least MIN_REREAD, and shared >= 256
+(the first rule of vLLM's former `use_cascade_attention`). Measured on the 2-core
 Xeon (`python benchmarks/cascade.py`, one layer): at 8 sequences cascade attention was
 slower than the decode kernel alone on every prefix from 304 to 2,048 positions, at 16
 within about 20% either way, at 32 faster from 640 positions, at 64 from 304; on the
@@ -44,7 +44,7 @@ from .cpu_prefill import amx_ready, amx_takes
 
 MIN_SHARED = 256  # positions; the threshold of vLLM's former use_cascade_attention
 DECODE_MEMBERS = 16  # cpu_decode.c's MAX_MEMBERS: sequences one task serves a shared chunk
-MIN_REREAD = 640  # positions the decode kernel would read again, per DECODE_MEMBERS seqs
+MIN_REREAD = 640  # prefix positions the decode kernel would read again, at least
 ERRORS = {1: "invalid arguments", 2: "invalid lengths", 3: "a slot out of range",
           5: "this CPU, kernel or build has no AMX-BF16"}  # fmt: skip
 PREFIX_SIGNATURE = (
@@ -59,9 +59,10 @@ PREFIX_SIGNATURE = (
 def cascade_pays(q: torch.Tensor, k_cache: torch.Tensor, shared: int) -> bool:
     """Whether a decode step of q's B sequences sharing their first `shared` positions
     takes cascade attention: bf16 on a CPU whose tile unit runs, shared >= MIN_SHARED and
-    shared x (B - DECODE_MEMBERS) >= MIN_REREAD x DECODE_MEMBERS (see above)."""
-    rereads = shared * (q.shape[0] - DECODE_MEMBERS)
-    enough = shared >= MIN_SHARED and rereads >= MIN_REREAD * DECODE_MEMBERS
+    the positions the decode kernel would read again, shared x (B - DECODE_MEMBERS) /
+    DECODE_MEMBERS, at least MIN_REREAD (see above)."""
+    again = shared * (q.shape[0] - DECODE_MEMBERS)  # read again, x DECODE_MEMBERS: exact
+    enough = shared >= MIN_SHARED and again >= MIN_REREAD * DECODE_MEMBERS
     return enough and amx_takes(q, k_cache) and amx_ready()
 
 
