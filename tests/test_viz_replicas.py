@@ -23,6 +23,8 @@ def test_fleet_app_table_and_bars(tiny_model):
         dots = app.figure.data[0]
         assert list(dots.x) == list(range(6)) and set(dots.y) <= {"r0", "r1"}
         assert app.slider.max == 5 and app.slider.value == 5
+        shown = app.figure._widget_data  # what a front end opened now draws first
+        assert list(shown[0]["x"]) == list(range(6)) and list(shown[1]["x"]) == [5]
         app.slider.value = 0  # the learner picks the first request: its scores show
         first = app.entries[0]
         assert list(app.figure.data[1].x) == [0] and list(app.figure.data[1].y) == [

@@ -31,6 +31,7 @@ from kvlab.route.server import RouterThread
 from kvlab.route.sessions import run_chats, summary
 from kvlab.serve import ServerThread
 from kvlab.serve.kv_events import KVEventPublisher, KVEventsConfig
+from kvlab.viz.app import current
 from kvlab.viz.style import palette_color
 
 REPLICA = EngineConfig(cache="paged", prefix_caching="hash", block_size=16,
@@ -288,6 +289,9 @@ class RoutingApp:
                 f"request {i} ({entry.get('user')}, {entry['policy']}) -> {entry['replica']}: "
                 f"{entry['reason']}{blocks}"
             )
+        # the figure grows while a front end may still be loading plotly, which misses
+        # edits: its widget state carries the figure as it stands (kvlab.viz.app.current)
+        current(self.figure)
 
 
 def disagreement(fleet: ThreadFleet, prompt_ids: list[int]) -> pd.DataFrame:
