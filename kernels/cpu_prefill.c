@@ -61,12 +61,14 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int d
     w->scale = p->scale;
     for (int r = 0; r < stride; r++) { /* row r: position i0 + r / g, head kvh * g + r % g */
         const int64_t at = ((first + i0 + r / g) * p->heads + kvh * g + r % g) * d;
-        if (w->pairs) /* bf16 pairs, unscaled (cpu_tiles.h) */
-            for (int c = 0; c < d; c++)
-                w->qt2[(c / 2 * stride + r) * 2 + c % 2] = r < rows ? q16[at + c] : 0;
+        if (r >= rows) /* padding */
+            for (int c = 0; c < d; c++) w->qt[c * stride + r] = 0.0f; /* qt2's too */
+        else if (w->pairs) /* bf16 pairs, unscaled (cpu_tiles.h) */
+            for (int c = 0; c < d; c++) w->qt2[(c / 2 * stride + r) * 2 + c % 2] = q16[at + c];
+        else if (p->dtype_q == DT_F32) /* the usual case, its loop free of the dtype's test */
+            for (int c = 0; c < d; c++) w->qt[c * stride + r] = ((const float *)p->q)[at + c] * p->scale;
         else
-            for (int c = 0; c < d; c++)
-                w->qt[c * stride + r] = r < rows ? load(p->q, p->dtype_q, at + c) * p->scale : 0.0f;
+            for (int c = 0; c < d; c++) w->qt[c * stride + r] = load(p->q, p->dtype_q, at + c) * p->scale;
         w->end[r] = r < rows ? P + i0 + r / g + 1 : 0;
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;

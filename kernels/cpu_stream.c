@@ -10,11 +10,14 @@
  *   bf16 (kvlab_stream_pack_bf16)  packed[((p K/2 + kp) V + c) 2 + j] = W[p V + c][2 kp + j]
  *
  * (in bf16 each column's pair of K values side by side in 32 bits, as vdpbf16ps takes
- * them). A task is a run of consecutive panels; for each, blocks of up to ROWS rows keep
- * one vector of V fp32 outputs per row in registers and walk the panel's steps: fp32
- * adds x[r][kk] times the step's vector (one FMA per row), bf16 adds x[r]'s pair kp times
- * the step's pairs (one vdpbf16ps per row: both products, summed in fp32). The step's
- * vector is loaded once for the block, the line PREFETCH vectors further on in the stream
+ * them). A task is a run of consecutive panels; for each P of them side by side, blocks of
+ * up to BLOCK_ROWS rows keep P vectors of V fp32 outputs per row in registers and walk
+ * the panels' steps: fp32 adds x[r][kk] times each panel's vector of the step (one
+ * broadcast, P FMAs per row), bf16 adds x[r]'s pair kp times each panel's pairs (one
+ * vdpbf16ps per row and panel: both products, summed in fp32). P is as many panels (up to
+ * 4) as fit the registers beside the block's accumulators: each x value then serves P
+ * vectors, and a row's P chains do not wait on one another. Each step's vectors are
+ * loaded once for the block, the lines PREFETCH vectors further on in each panel
  * prefetched. A panel is read from memory once: its later row blocks find it in the
  * cache. Then the bias is added in fp32 (bf16: and each output rounded to bf16, nearest
  * even).
@@ -22,10 +25,11 @@
  * Every output is one fp32 chain of fused multiply-adds (fma_f) over the steps in order,
  * fixed by its row and column alone, so the result is the same bits for any thread count
  * and any rows beside it. N a multiple of V (bf16: of 16, K even). On the 2-core Xeon
- * kvlab is developed on, SmolLM2-135M's 121 fp32 matmuls for 16 rows take about three
- * quarters of oneDNN's time; on the 2-core AMD EPYC with AVX-512 and AVX512-BF16 (no AMX)
- * its bf16 ones take about 0.7 of oneDNN's, and on the 2-core AMD EPYC with AVX2 its fp32
- * ones about two thirds (`kvlab profile` times both).
+ * kvlab is developed on, SmolLM2-135M's 121 fp32 matmuls for 16 rows take about 0.7 of
+ * oneDNN's time (1 row: the weights at about 26 GB/s); on the 2-core AMD EPYC with AVX-512
+ * and AVX512-BF16 (no AMX) its bf16 ones took about 0.7 of oneDNN's, and on the 2-core
+ * AMD EPYC with AVX2 its fp32 ones about two thirds, one panel at a time (`kvlab profile`
+ * times both).
  */
 
 #include "cpu_common.h"
@@ -38,13 +42,22 @@
 #endif
 
 #define STREAM_MAX_ROWS 32
-#define TASKS_PER_THREAD 4 /* runs of panels a thread takes, for balance */
+#define TASKS_PER_THREAD 2 /* runs of panels a thread takes, for balance (each run a
+                              * stream of its own to start: 4 were slower) */
+#define MAX_PANELS 4       /* panels a block walks side by side */
 #define PREFETCH 128       /* vectors ahead in the panel's stream */
 #define KVLAB_ENOBF16 5    /* this build has no AVX512-BF16 */
 #if V == 16
-#define ROWS 16 /* rows per block: ROWS accumulators, the panel's vector and a broadcast */
+#define REGISTERS 32  /* vector registers */
+#define BLOCK_ROWS 14 /* fp32 rows per block at most: 14 x 2 accumulators, 2 panels, a
+                       * broadcast (16 rows as two blocks of 8 over 3 panels run faster than
+                       * one block of 16 over 1) */
+#define BF16_BLOCK_ROWS 16 /* bf16 rows per block at most: twice fp32's products per byte, one
+                            * block of 16 over 1 panel runs faster than two of 8 */
 #else
-#define ROWS 12 /* of AVX2's 16 registers */
+#define REGISTERS 16
+#define BLOCK_ROWS 12 /* 12 accumulators, a panel and a broadcast */
+#define BF16_BLOCK_ROWS 12 /* (no bf16 kernel without AVX-512) */
 #endif
 
 /* Columns per panel of the kernel for `dtype`: V in fp32 where the build has FMA
@@ -84,80 +97,134 @@ typedef struct {
     int bf16, rows, tasks, next_task;
 } Stream;
 
-/* fp32: out[r0 + r][p V ..] = x[r0 + r] . panel p (+ bias) for r < R */
-static ALWAYS_INLINE void block(const Stream *s, int64_t p, int r0, int R) {
+/* fp32: out[r0 + r][(p + q) V ..] = x[r0 + r] . panel p + q (+ bias) for r < R, q < P:
+ * P panels side by side, so each x value broadcast serves P vectors and each output row
+ * has P independent chains (one row's single chain waits on the FMA's latency) */
+static ALWAYS_INLINE void block(const Stream *s, int64_t p, int r0, int R, int P) {
     const float *w = (const float *)s->w + p * s->k * V;
     const float *x = (const float *)s->x + r0 * s->x_stride;
-    vf acc[ROWS];
-    for (int r = 0; r < R; r++) acc[r] = (vf){0};
+    const int64_t next = s->k * V; /* from one panel to the next */
+    vf acc[MAX_PANELS][BLOCK_ROWS];
+    for (int q = 0; q < P; q++)
+        for (int r = 0; r < R; r++) acc[q][r] = (vf){0};
     for (int64_t kk = 0; kk < s->k; kk++) {
-        __builtin_prefetch(w + (kk + PREFETCH) * V);
-        const vf wv = load_f(w + kk * V);
-        for (int r = 0; r < R; r++) acc[r] = fma_f(acc[r], splat_f(x[r * s->x_stride + kk]), wv);
+        vf wv[MAX_PANELS];
+        for (int q = 0; q < P; q++) {
+            __builtin_prefetch(w + q * next + (kk + PREFETCH) * V);
+            wv[q] = load_f(w + q * next + kk * V);
+        }
+        for (int r = 0; r < R; r++) {
+            const vf xr = splat_f(x[r * s->x_stride + kk]);
+            for (int q = 0; q < P; q++) acc[q][r] = fma_f(acc[q][r], xr, wv[q]);
+        }
     }
-    const vf b = s->bias ? load_f((const float *)s->bias + p * V) : (vf){0};
-    float *out = (float *)s->out + r0 * s->out_stride + p * V;
-    for (int r = 0; r < R; r++) store_f(out + r * s->out_stride, acc[r] + b);
+    for (int q = 0; q < P; q++) {
+        const vf b = s->bias ? load_f((const float *)s->bias + (p + q) * V) : (vf){0};
+        float *out = (float *)s->out + r0 * s->out_stride + (p + q) * V;
+        for (int r = 0; r < R; r++) store_f(out + r * s->out_stride, acc[q][r] + b);
+    }
 }
 
 #if BF16_BUILT
 /* bf16: the same, each step a pair of K values (vdpbf16ps), rounded to bf16 at the end */
-static ALWAYS_INLINE void block_bf16(const Stream *s, int64_t p, int r0, int R) {
+static ALWAYS_INLINE void block_bf16(const Stream *s, int64_t p, int r0, int R, int P) {
     const uint16_t *w = (const uint16_t *)s->w + p * s->k * 16;
     const uint16_t *x = (const uint16_t *)s->x + r0 * s->x_stride;
-    __m512 acc[ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t next = s->k * 16;
+    __m512 acc[MAX_PANELS][BF16_BLOCK_ROWS];
+    for (int q = 0; q < P; q++)
+        for (int r = 0; r < R; r++) acc[q][r] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < s->k / 2; kp++) {
-        __builtin_prefetch(w + (kp + PREFETCH) * 32);
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + kp * 32);
+        __m512bh wv[MAX_PANELS];
+        for (int q = 0; q < P; q++) {
+            __builtin_prefetch(w + q * next + (kp + PREFETCH) * 32);
+            wv[q] = (__m512bh)_mm512_loadu_si512(w + q * next + kp * 32);
+        }
         for (int r = 0; r < R; r++) {
             int32_t pair; /* x[r][2 kp], x[r][2 kp + 1] */
             memcpy(&pair, x + r * s->x_stride + 2 * kp, sizeof pair);
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), wv);
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+            for (int q = 0; q < P; q++) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], xr, wv[q]);
         }
     }
-    const __m512 b = s->bias ? (__m512)load_v(s->bias, DT_BF16, p * 16) : _mm512_setzero_ps();
-    uint16_t *out = (uint16_t *)s->out + r0 * s->out_stride + p * 16;
-    for (int r = 0; r < R; r++)
-        _mm256_storeu_si256((void *)(out + r * s->out_stride),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], b)));
+    for (int q = 0; q < P; q++) {
+        const __m512 b =
+            s->bias ? (__m512)load_v(s->bias, DT_BF16, (p + q) * 16) : _mm512_setzero_ps();
+        uint16_t *out = (uint16_t *)s->out + r0 * s->out_stride + (p + q) * 16;
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_si256((void *)(out + r * s->out_stride),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[q][r], b)));
+    }
 }
-#define BLOCK(s, p, r0, R) ((s)->bf16 ? block_bf16(s, p, r0, R) : block(s, p, r0, R))
+#define BLOCK(s, p, r0, R, P) ((s)->bf16 ? block_bf16(s, p, r0, R, P) : block(s, p, r0, R, P))
 #else
-#define BLOCK(s, p, r0, R) block(s, p, r0, R)
+#define BLOCK(s, p, r0, R, P) block(s, p, r0, R, P)
 #endif
 
-/* Rows in blocks of equal size (within one), at most ROWS each: 16 rows on AVX2 are two
- * blocks of 8, not 12 and 4, whose four accumulator chains leave the FMA units waiting on
- * their latency (on the 2-core AMD EPYC with AVX2, SmolLM2's gate/up for 16 rows from the
- * cache: 86 GFLOP/s as 12 + 4, 101 as 8 + 8). */
+/* Panels at once for blocks of up to R rows: the most (up to MAX_PANELS) whose R x P
+ * accumulators, P panel vectors and a broadcast fit the registers. */
+static int panels_for(int R) {
+    int P = MAX_PANELS;
+    while (P > 1 && R * P + P + 1 > REGISTERS) P--;
+    return P;
+}
+
+/* a constant R and P keep the accumulators in registers */
+#define ROW_CASES(P)                                                                         \
+    switch (R) {                                                                             \
+    ROWS_13(P)                                                                               \
+    case 12: BLOCK(s, p, r0, 12, P); break;                                                  \
+    case 11: BLOCK(s, p, r0, 11, P); break;                                                  \
+    case 10: BLOCK(s, p, r0, 10, P); break;                                                  \
+    case 9: BLOCK(s, p, r0, 9, P); break;                                                    \
+    case 8: BLOCK(s, p, r0, 8, P); break;                                                    \
+    case 7: BLOCK(s, p, r0, 7, P); break;                                                    \
+    case 6: BLOCK(s, p, r0, 6, P); break;                                                    \
+    case 5: BLOCK(s, p, r0, 5, P); break;                                                    \
+    case 4: BLOCK(s, p, r0, 4, P); break;                                                    \
+    case 3: BLOCK(s, p, r0, 3, P); break;                                                    \
+    case 2: BLOCK(s, p, r0, 2, P); break;                                                    \
+    default: BLOCK(s, p, r0, 1, P); break;                                                   \
+    }
+#if BF16_BUILT /* bf16's blocks of up to 16 rows, fp32's of up to 14 */
+#define ROWS_13(P)                                                                           \
+    case 16: block_bf16(s, p, r0, 16, P); break;                                             \
+    case 15: block_bf16(s, p, r0, 15, P); break;                                             \
+    case 14: BLOCK(s, p, r0, 14, P); break;                                                  \
+    case 13: BLOCK(s, p, r0, 13, P); break;
+#elif BLOCK_ROWS == 14
+#define ROWS_13(P)                                                                           \
+    case 14: BLOCK(s, p, r0, 14, P); break;                                                  \
+    case 13: BLOCK(s, p, r0, 13, P); break;
+#else
+#define ROWS_13(P)
+#endif
+
+/* Rows in blocks of equal size (within one), at most BLOCK_ROWS each, and each block over
+ * P panels at once (panels_for). Equal blocks keep every block's chains many: 16 rows on
+ * AVX2 are two blocks of 8, not 12 and 4, whose four accumulator chains leave the FMA
+ * units waiting on their latency (on the 2-core AMD EPYC with AVX2, SmolLM2's gate/up for
+ * 16 rows from the cache: 86 GFLOP/s as 12 + 4, 101 as 8 + 8). On the 2-core Xeon,
+ * SmolLM2-135M's 121 fp32 matmuls of a step, from memory: 1 row 24 -> 21.5 ms, 10 rows
+ * 30 -> 26, 16 rows (two blocks of 8 over 3 panels) 33 -> 31, 32 rows 51 -> 45 against one
+ * panel at a time. */
 static void panels(const Stream *s, int64_t p0, int64_t p1) {
-    const int blocks = (s->rows + ROWS - 1) / ROWS;
-    for (int64_t p = p0; p < p1; p++)
+    const int most = s->bf16 ? BF16_BLOCK_ROWS : BLOCK_ROWS;
+    const int blocks = (s->rows + most - 1) / most;
+    const int P = panels_for((s->rows + blocks - 1) / blocks);
+    for (int64_t p = p0; p < p1; p += P) {
+        const int here = p1 - p < P ? (int)(p1 - p) : P; /* the task's last panels */
         for (int b = 0, r0 = 0; b < blocks; b++) {
             const int R = (s->rows - r0) / (blocks - b); /* the rest shared equally */
-            switch (R) { /* a constant R keeps the accumulators in registers */
-#if ROWS == 16
-            case 16: BLOCK(s, p, r0, 16); break;
-            case 15: BLOCK(s, p, r0, 15); break;
-            case 14: BLOCK(s, p, r0, 14); break;
-            case 13: BLOCK(s, p, r0, 13); break;
-#endif
-            case 12: BLOCK(s, p, r0, 12); break;
-            case 11: BLOCK(s, p, r0, 11); break;
-            case 10: BLOCK(s, p, r0, 10); break;
-            case 9: BLOCK(s, p, r0, 9); break;
-            case 8: BLOCK(s, p, r0, 8); break;
-            case 7: BLOCK(s, p, r0, 7); break;
-            case 6: BLOCK(s, p, r0, 6); break;
-            case 5: BLOCK(s, p, r0, 5); break;
-            case 4: BLOCK(s, p, r0, 4); break;
-            case 3: BLOCK(s, p, r0, 3); break;
-            case 2: BLOCK(s, p, r0, 2); break;
-            default: BLOCK(s, p, r0, 1); break;
+            switch (here) {
+            case 4: ROW_CASES(4); break;
+            case 3: ROW_CASES(3); break;
+            case 2: ROW_CASES(2); break;
+            default: ROW_CASES(1); break;
             }
             r0 += R;
         }
+    }
 }
 
 static int stream_tasks(void *arg) {

@@ -16,9 +16,10 @@ row and column, so the bits do not depend on the thread count or the other rows.
 wherever the library is built for it (fp32: FMA vectors, AVX-512 or AVX2; bf16:
 AVX512-BF16; the runner prefers the AMX linears where the CPU has AMX). On the 2-core
 Xeon kvlab is developed on it runs SmolLM2-135M's 121 fp32 matmuls of a 16-row step in
-about three quarters of oneDNN's time, on the 2-core AMD EPYC with AVX-512 and
-AVX512-BF16 (no AMX) its bf16 ones in about 0.7 of oneDNN's time, and on the 2-core AMD
-EPYC with AVX2 its fp32 ones in about two thirds (`kvlab profile` shows both).
+about 0.7 of oneDNN's time, on the 2-core AMD EPYC with AVX-512 and AVX512-BF16 (no AMX)
+its bf16 ones in about 0.7 of oneDNN's time, and on the 2-core AMD EPYC with AVX2 its fp32
+ones in about two thirds (`kvlab profile` shows both; the EPYCs measured before a block
+walked several panels side by side).
 
 This module imports only torch and the standard library.
 """
@@ -60,8 +61,9 @@ def stream_pays(dtype: torch.dtype = torch.float32) -> bool:
     through oneDNN here, decided from the build: wherever the kernel is built for `dtype`
     (fp32: FMA vectors, AVX-512 or AVX2; bf16: AVX512-BF16). Measured in fp32 on the Xeon,
     the AMD EPYC with AVX-512 and the AMD EPYC with AVX2 (there SmolLM2-135M's 121 matmuls
-    of a step take 31-35 ms against oneDNN's 42-48 for 1 row, 49-55 against 76-82 for 16,
-    73-91 against 100-106 for 32), in bf16 on the EPYC with AVX512-BF16."""
+    of a step took 31-35 ms against oneDNN's 42-48 for 1 row, 49-55 against 76-82 for 16,
+    73-91 against 100-106 for 32, one panel at a time), in bf16 on the EPYC with
+    AVX512-BF16."""
     return stream_width(torch.float32) > 0 and stream_width(dtype) > 0
 
 

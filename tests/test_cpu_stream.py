@@ -3,9 +3,9 @@ runner that uses them, in fp32 and (where the build has AVX512-BF16) bf16.
 
 Each output is one fp32 chain over K in order (bf16: over K's pairs, then rounded to bf16
 once), so it is the float64 product to within fp32 rounding of a sum of K terms (bf16: and
-one rounding to bf16). The shapes cross the kernel's blocks: rows in blocks of 16 (12 with
-AVX2), 8, 4, 2 and 1 (1, 3, 7, 15, 16, 17 and 32 rows), panels of one vector of columns, an
-odd K (fp32). The runner's tests need the build `stream_pays` for.
+one rounding to bf16). The shapes cross the kernel's blocks: rows in one block or in equal
+blocks of up to 14 (bf16: 16; 12 with AVX2), each over 4, 3, 2 or 1 panels at once (1, 3,
+7, 12, 15, 16, 17 and 32 rows), a task's last panels fewer than that, an odd K (fp32). The runner's tests need the build `stream_pays` for.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ needs_bf16 = pytest.mark.skipif(
     not (cpu_kernels_available() and stream_width(torch.bfloat16)),
     reason="needs a build with AVX512-BF16",
 )
-ROWS = [1, 3, 7, 15, 16, 17, 32]
+ROWS = [1, 3, 7, 12, 15, 16, 17, 32]
 SHAPES = [(960, 576, False), (576, 1536, True), (48, 6, True)]  # n, k, bias
 
 
@@ -102,6 +102,7 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_thread_count(dtype):
         torch.set_num_threads(threads)
     assert torch.equal(cpu_stream_linear(x, packed), alone)
     assert torch.equal(cpu_stream_linear(x[:20], packed), alone[:20])
+    assert torch.equal(cpu_stream_linear(x[:7], packed), alone[:7])
 
 
 @needs_kernels
