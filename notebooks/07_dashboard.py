@@ -402,9 +402,9 @@ for machine, suffix, cls in [("Xeon", {"fp32": "_xeon", "bf16": "_bf16"}, "avx51
 
 # %% [markdown]
 # On the Xeon kvlab is **ahead** of compiled vLLM on uniform chat in both dtypes: fp32
-# (**1.34x**<!-- out -->) and bf16 (**1.28x**<!-- out -->), past the 1.2x issue 48 asks; on
-# doc-QA it is ahead by less, in fp32 (**1.19x**<!-- out -->, just short of 1.2x) and in
-# bf16 (**1.05x**<!-- out -->). On the EPYC it is ahead on uniform chat, fp32
+# (**1.48x**<!-- out -->) and bf16 (**1.28x**<!-- out -->), past the 1.2x issue 48 asks; on
+# doc-QA it is ahead by less, in fp32 (**1.22x**<!-- out -->, just past 1.2x) and in
+# bf16 (**1.05x**<!-- out -->, short of it). On the EPYC it is ahead on uniform chat, fp32
 # (**1.48x**<!-- out -->) and bf16 (**1.72x**<!-- out -->), and on doc-QA in bf16
 # (**1.25x**<!-- out -->). On doc-QA in fp32 the first run gave **1.21x**<!-- out -->, but
 # vLLM ran slow in it (67.4<!-- out --> tok/s, against 80.4<!-- out --> in the run

@@ -5,7 +5,8 @@ Each output is one fp32 chain over K in order (bf16: over K's pairs, then rounde
 once), so it is the float64 product to within fp32 rounding of a sum of K terms (bf16: and
 one rounding to bf16). The shapes cross the kernel's blocks: rows in one block or in equal
 blocks of up to 14 (bf16: 16; 12 with AVX2), each over 4, 3, 2 or 1 panels at once (1, 3,
-7, 12, 15, 16, 17 and 32 rows), a task's last panels fewer than that, an odd K (fp32). The runner's tests need the build `stream_pays` for.
+7, 12, 15, 16, 17 and 32 rows), a task's last panels fewer than that, an odd K (fp32).
+The runner's tests need the build `stream_pays` for.
 """
 
 from __future__ import annotations
