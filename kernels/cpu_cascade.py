@@ -16,11 +16,11 @@ Softmax over the whole context is the two parts' softmaxes weighted by their den
 (the log-sum-exp merge flash attention uses between chunks), so the result is attention
 over every position; the shared part rounds its weights to bf16 for the tile unit, as the
 AMX prompt kernel does. `cascade_pays` says when to take it: where the decode kernel would
-read the prefix again many times. That kernel already reads a chunk that up to
-DECODE_MEMBERS sequences share once for all of them, so cascade attention saves the
-prefix's reads beyond the first DECODE_MEMBERS sequences, and it costs a second call and a
-merge. It is taken where the prefix positions the decode kernel would read again,
-shared x (B - DECODE_MEMBERS) / DECODE_MEMBERS, are at least MIN_REREAD, and shared >= 256
+read the prefix again many times. That kernel already reads a chunk that up to M =
+`decode_members()` sequences share (cpu_decode.c's MAX_MEMBERS, 16) once for all of them, so
+cascade attention saves the prefix's reads beyond the first M sequences, and it costs a
+second call and a merge. It is taken where the prefix positions the decode kernel would
+read again, shared x (B - M) / M, are at least MIN_REREAD, and shared >= 256
 (the first rule of vLLM's former `use_cascade_attention`). Measured on the 2-core
 Xeon (`python benchmarks/cascade.py`, one layer): at 8 sequences cascade attention was
 slower than the decode kernel alone on every prefix from 304 to 2,048 positions, at 16
@@ -39,11 +39,10 @@ import ctypes
 import torch
 
 from .cpu_build import native_function, raise_for, rows_contiguous
-from .cpu_decode import cpu_paged_decode_attention
+from .cpu_decode import cpu_paged_decode_attention, decode_members
 from .cpu_prefill import amx_ready, amx_takes
 
 MIN_SHARED = 256  # positions; the threshold of vLLM's former use_cascade_attention
-DECODE_MEMBERS = 16  # cpu_decode.c's MAX_MEMBERS: sequences one task serves a shared chunk
 MIN_REREAD = 640  # prefix positions the decode kernel would read again, at least
 ERRORS = {1: "invalid arguments", 2: "invalid lengths", 3: "a slot out of range",
           5: "this CPU, kernel or build has no AMX-BF16"}  # fmt: skip
@@ -59,11 +58,13 @@ PREFIX_SIGNATURE = (
 def cascade_pays(q: torch.Tensor, k_cache: torch.Tensor, shared: int) -> bool:
     """Whether a decode step of q's B sequences sharing their first `shared` positions
     takes cascade attention: bf16 on a CPU whose tile unit runs, shared >= MIN_SHARED and
-    the positions the decode kernel would read again, shared x (B - DECODE_MEMBERS) /
-    DECODE_MEMBERS, at least MIN_REREAD (see above)."""
-    again = shared * (q.shape[0] - DECODE_MEMBERS)  # read again, x DECODE_MEMBERS: exact
-    enough = shared >= MIN_SHARED and again >= MIN_REREAD * DECODE_MEMBERS
-    return enough and amx_takes(q, k_cache) and amx_ready()
+    the positions the decode kernel would read again, shared x (B - M) / M for M =
+    decode_members(), at least MIN_REREAD (see above)."""
+    if not (shared >= MIN_SHARED and amx_takes(q, k_cache) and amx_ready()):
+        return False
+    members = decode_members()
+    again = shared * (q.shape[0] - members)  # read again, x members: exact in integers
+    return again >= MIN_REREAD * members
 
 
 def cpu_cascade_decode_attention(

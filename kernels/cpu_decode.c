@@ -604,6 +604,10 @@ static int check_args(const Problem *p, int64_t num_slots) {
 /* 1 when the library handles this dtype code (float16 needs the compiler's _Float16). */
 int kvlab_dtype_supported(int dtype) { return dtype_ok(dtype); }
 
+/* MAX_MEMBERS: the sequences one task serves from a chunk they share (the cascade rule,
+ * kernels/cpu_cascade.py, reads it here). */
+int kvlab_decode_members(void) { return MAX_MEMBERS; }
+
 /* q, out: (B, heads, head_dim) contiguous; k, v: (num_slots, kv_heads, head_dim) with
  * the given element strides, last dim contiguous; slots: (B, max_len) with row stride
  * slots_stride; lens: (B,) each in [1, max_len]. prior_out (B, heads, head_dim) and

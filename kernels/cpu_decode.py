@@ -25,7 +25,7 @@ the memory traffic. `cpu_decode.c` instead reads each K and V row once, where it
 * **Vectorised C, torch's threads.** 16-float GNU vectors (8-float without AVX-512); the
   score pass sums as many dot products' lanes together with a shuffle tree; bf16/fp16 are
   widened as they are loaded (bf16 q and K multiply in pairs, vdpbf16ps, where the build
-  targets AVX512-BF16); records a few positions ahead are prefetched into L2
+  targets AVX512-BF16); records a few positions ahead are prefetched into L1
   (scattered blocks defeat the hardware prefetcher). The tasks are taken from a shared
   counter by the calling thread and `torch.get_num_threads() - 1` helpers: torch's own
   OpenMP threads where torch runs on OpenMP, else pthreads the library starts once and
@@ -45,6 +45,7 @@ This module imports only torch and the standard library.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -65,6 +66,13 @@ SIGNATURE = (
     + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]  # scale, prior_out, prior_lse
     + [ctypes.c_int]  # num_threads
 )
+
+
+@functools.cache
+def decode_members() -> int:
+    """Sequences one task of the kernel serves from a chunk they share (cpu_decode.c's
+    MAX_MEMBERS, read from the library); RuntimeError where the library is unavailable."""
+    return int(native_function("kvlab_decode_members", [])())
 
 
 def cpu_paged_decode_attention(

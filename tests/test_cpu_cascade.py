@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvlab.kernels import cpu_kernels_available, cpu_paged_decode_attention
+from kvlab.kernels import cpu_cascade, cpu_kernels_available, cpu_paged_decode_attention
 from kvlab.kernels.cpu_cascade import (
-    DECODE_MEMBERS,
     MIN_REREAD,
     MIN_SHARED,
     cascade_pays,
     cpu_cascade_decode_attention,
 )
+from kvlab.kernels.cpu_decode import decode_members
 from kvlab.kernels.cpu_prefill import amx_ready
 from test_cpu_decode import BLOCK, reference
 
@@ -95,12 +95,24 @@ def test_the_rule_takes_a_prefix_the_decode_kernel_would_read_again_often_in_bf1
         q, k = torch.zeros(batch, 9, 64, dtype=dtype), torch.zeros(4, 3, 64, dtype=dtype)
         return cascade_pays(q, k, shared)
 
-    assert pays(2 * DECODE_MEMBERS, MIN_REREAD) == amx_ready()  # the prefix read twice
-    assert not pays(2 * DECODE_MEMBERS, MIN_REREAD - 1)
-    assert not pays(DECODE_MEMBERS, 4096)  # one decode task serves them all
-    assert pays(4 * DECODE_MEMBERS, MIN_SHARED) == amx_ready()
+    members = decode_members()  # the decode kernel's MAX_MEMBERS, from the library
+    assert members >= 1
+    assert pays(2 * members, MIN_REREAD) == amx_ready()  # the prefix read twice
+    assert not pays(2 * members, MIN_REREAD - 1)
+    assert not pays(members, 4096)  # one decode task serves them all
+    assert pays(4 * members, MIN_SHARED) == amx_ready()
     assert not pays(1024, MIN_SHARED - 1)
-    assert not pays(2 * DECODE_MEMBERS, 4096, torch.float32)
+    assert not pays(2 * members, 4096, torch.float32)
+
+
+@needs_amx
+def test_the_rule_follows_the_decode_kernels_members(monkeypatch):
+    """The rule reads how many sequences a decode task serves from the library: were it
+    4, 8 sequences would read the prefix again where 16 would not."""
+    q, k = torch.zeros(8, 9, 64, dtype=torch.bfloat16), torch.zeros(4, 3, 64, dtype=torch.bfloat16)
+    assert not cascade_pays(q, k, 4096)
+    monkeypatch.setattr(cpu_cascade, "decode_members", lambda: 4)
+    assert cascade_pays(q, k, 4096)
 
 
 def test_the_decode_group_holds_every_decode_and_their_shared_prefix():
