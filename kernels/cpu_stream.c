@@ -172,7 +172,7 @@ static int panels_for(int R) {
 /* a constant R and P keep the accumulators in registers */
 #define ROW_CASES(P)                                                                         \
     switch (R) {                                                                             \
-    ROWS_13(P)                                                                               \
+    ROWS_ABOVE_12(P)                                                                         \
     case 12: BLOCK(s, p, r0, 12, P); break;                                                  \
     case 11: BLOCK(s, p, r0, 11, P); break;                                                  \
     case 10: BLOCK(s, p, r0, 10, P); break;                                                  \
@@ -187,17 +187,17 @@ static int panels_for(int R) {
     default: BLOCK(s, p, r0, 1, P); break;                                                   \
     }
 #if BF16_BUILT /* bf16's blocks of up to 16 rows, fp32's of up to 14 */
-#define ROWS_13(P)                                                                           \
+#define ROWS_ABOVE_12(P)                                                                     \
     case 16: block_bf16(s, p, r0, 16, P); break;                                             \
     case 15: block_bf16(s, p, r0, 15, P); break;                                             \
     case 14: BLOCK(s, p, r0, 14, P); break;                                                  \
     case 13: BLOCK(s, p, r0, 13, P); break;
 #elif BLOCK_ROWS == 14
-#define ROWS_13(P)                                                                           \
+#define ROWS_ABOVE_12(P)                                                                     \
     case 14: BLOCK(s, p, r0, 14, P); break;                                                  \
     case 13: BLOCK(s, p, r0, 13, P); break;
 #else
-#define ROWS_13(P)
+#define ROWS_ABOVE_12(P)
 #endif
 
 /* Rows in blocks of equal size (within one), at most BLOCK_ROWS each, and each block over
@@ -205,9 +205,9 @@ static int panels_for(int R) {
  * AVX2 are two blocks of 8, not 12 and 4, whose four accumulator chains leave the FMA
  * units waiting on their latency (on the 2-core AMD EPYC with AVX2, SmolLM2's gate/up for
  * 16 rows from the cache: 86 GFLOP/s as 12 + 4, 101 as 8 + 8). On the 2-core Xeon,
- * SmolLM2-135M's 121 fp32 matmuls of a step, from memory: 1 row 24 -> 21.5 ms, 10 rows
- * 30 -> 26, 16 rows (two blocks of 8 over 3 panels) 33 -> 31, 32 rows 51 -> 45 against one
- * panel at a time. */
+ * SmolLM2-135M's 121 fp32 matmuls of a step, from memory, against one panel at a time (and
+ * 4 runs a thread): 1 row 25 -> 21 ms, 10 rows 31 -> 26, 16 rows (two blocks of 8 over 3
+ * panels) 34.5 -> 30.5, 32 rows 54 -> 46. */
 static void panels(const Stream *s, int64_t p0, int64_t p1) {
     const int most = s->bf16 ? BF16_BLOCK_ROWS : BLOCK_ROWS;
     const int blocks = (s->rows + most - 1) / most;
