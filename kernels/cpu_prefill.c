@@ -66,9 +66,11 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Tiles *w, int d, int d
         else if (w->pairs) /* bf16 pairs, unscaled (cpu_tiles.h) */
             for (int c = 0; c < d; c++) w->qt2[(c / 2 * stride + r) * 2 + c % 2] = q16[at + c];
         else if (p->dtype_q == DT_F32) /* the usual case, its loop free of the dtype's test */
-            for (int c = 0; c < d; c++) w->qt[c * stride + r] = ((const float *)p->q)[at + c] * p->scale;
+            for (int c = 0; c < d; c++)
+                w->qt[c * stride + r] = ((const float *)p->q)[at + c] * p->scale;
         else
-            for (int c = 0; c < d; c++) w->qt[c * stride + r] = load(p->q, p->dtype_q, at + c) * p->scale;
+            for (int c = 0; c < d; c++)
+                w->qt[c * stride + r] = load(p->q, p->dtype_q, at + c) * p->scale;
         w->end[r] = r < rows ? P + i0 + r / g + 1 : 0;
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
