@@ -11,9 +11,9 @@
  *
  * (in bf16 each column's pair of K values side by side in 32 bits, as vdpbf16ps takes
  * them). A task is a run of consecutive panels; for each P of them side by side, blocks of
- * up to BLOCK_ROWS rows keep P vectors of V fp32 outputs per row in registers and walk
- * the panels' steps: fp32 adds x[r][kk] times each panel's vector of the step (one
- * broadcast, P FMAs per row), bf16 adds x[r]'s pair kp times each panel's pairs (one
+ * up to BLOCK_ROWS rows (bf16: BF16_BLOCK_ROWS) keep P vectors of V fp32 outputs per row in
+ * registers and walk the panels' steps: fp32 adds x[r][kk] times each panel's vector of the
+ * step (one broadcast, P FMAs per row), bf16 adds x[r]'s pair kp times each panel's pairs (one
  * vdpbf16ps per row and panel: both products, summed in fp32). P is as many panels (up to
  * 4) as fit the registers beside the block's accumulators: each x value then serves P
  * vectors, and a row's P chains do not wait on one another. Each step's vectors are
@@ -200,11 +200,12 @@ static int panels_for(int R) {
 #define ROWS_ABOVE_12(P)
 #endif
 
-/* Rows in blocks of equal size (within one), at most BLOCK_ROWS each, and each block over
- * P panels at once (panels_for). Equal blocks keep every block's chains many: 16 rows on
- * AVX2 are two blocks of 8, not 12 and 4, whose four accumulator chains leave the FMA
- * units waiting on their latency (on the 2-core AMD EPYC with AVX2, SmolLM2's gate/up for
- * 16 rows from the cache: 86 GFLOP/s as 12 + 4, 101 as 8 + 8). On the 2-core Xeon,
+/* Rows in blocks of equal size (within one), at most BLOCK_ROWS each (bf16:
+ * BF16_BLOCK_ROWS), and each block over P panels at once (panels_for). Equal blocks keep
+ * every block's chains many: 16 rows on AVX2 are two blocks of 8, not 12 and 4, whose four
+ * accumulator chains leave the FMA units waiting on their latency (on the 2-core AMD EPYC
+ * with AVX2, SmolLM2's gate/up for 16 rows from the cache: 86 GFLOP/s as 12 + 4, 101 as
+ * 8 + 8). On the 2-core Xeon,
  * SmolLM2-135M's 121 fp32 matmuls of a step, from memory, against one panel at a time (and
  * 4 runs a thread): 1 row 25 -> 21 ms, 10 rows 31 -> 26, 16 rows (two blocks of 8 over 3
  * panels) 34.5 -> 30.5, 32 rows 54 -> 46. */
