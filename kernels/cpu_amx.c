@@ -64,10 +64,10 @@ typedef struct {
 /* The first K^T tile of (kv head h, 16 positions t, dims 32 dk ..) and of V's
  * (h, 32 positions u, dims 16 ct ..). */
 static inline uint16_t *k_tile(const Amx *a, int h, int t, int dk) {
-    return a->kp + (((int64_t)h * a->blocks32 * 2 + t) * (a->head_dim / 32) + dk) * TILE;
+    return a->kp + (((int64_t)h * a->blocks32 * 2 + t) * (a->head_dim / 32) + dk) * TILE_BF16;
 }
 static inline uint16_t *v_tile(const Amx *a, int h, int u, int ct) {
-    return a->vp + (((int64_t)h * a->blocks32 + u) * (a->head_dim / 16) + ct) * TILE;
+    return a->vp + (((int64_t)h * a->blocks32 + u) * (a->head_dim / 16) + ct) * TILE_BF16;
 }
 
 /* ---- pack: 32 positions of one kv head --------------------------------------------- */
@@ -145,63 +145,69 @@ AMX static void tiles_2x2(float *c, int ldc, int load_c, const uint16_t *a, int 
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-/* 2^t for t <= 0 (a scaled score minus its row's max, in base 2) to about 3e-6 relative,
- * enough for a weight rounded to bf16 (2^-9): 2^t = 2^n 2^f with n = round(t), |f| <= 1/2,
- * a degree-4 polynomial for 2^f (fitted for the least relative error) and vscalefps for
- * 2^n, which gives 0 for the weights of masked lanes (keep) and below 2^-149. */
-AMX static inline __m512 exp2_weight(__mmask16 keep, __m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(9.5700949182e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917859772e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024745001e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312181484e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999926139e-1f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
-}
-
 /* The lanes of positions j .. j + 15 a row that has seen `seen` positions of the chunk
  * keeps. */
 static inline __mmask16 kept(int seen, int j) {
     return seen - j >= 16 ? 0xffff : seen <= j ? 0 : (__mmask16)((1u << (seen - j)) - 1);
 }
 
-/* Row r's scores at positions c0 .. c0 + n - 1 (n a multiple of 32) become bf16 weights
- * (vcvtne2ps2bf16: nearest even), 0 past the row's end; its max, sum (of the rounded
- * weights, in pairs: vdpbf16ps against ones) and accumulator move to the chunk's max.
- * The max is taken over the raw scores and then scaled (scale > 0 keeps the order). */
-AMX static void softmax_row(Scratch *x, const Amx *a, int r, int c0, int n) {
-    const float *s = x->s + (int64_t)r * AMX_KC;
-    uint16_t *w = x->w + (int64_t)r * AMX_KC;
-    const int d = a->head_dim, seen = x->end[r] - c0;
-    const int live = seen <= 0 ? 0 : seen < n ? (seen + 31) / 32 * 32 : n;
-    memset(w + live, 0, sizeof(uint16_t) * (size_t)(n - live)); /* past the row's end */
-    if (live == 0) return;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < live; j += 16)
-        top = _mm512_mask_max_ps(top, kept(seen, j), top, _mm512_loadu_ps(s + j));
-    const float m = fmaxf(_mm512_reduce_max_ps(top) * a->scale, x->max[r]);
-    const __m512 c = _mm512_set1_ps(a->scale * 1.44269504088896341f); /* to base 2 */
-    const __m512 base = _mm512_set1_ps(m * 1.44269504088896341f);
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
-    __m512 total = _mm512_setzero_ps();
-    for (int j = 0; j < live; j += 32) {
-        const __m512 t_lo = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), c, base);
-        const __m512 t_hi = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), c, base);
-        const __m512 lo = exp2_weight(kept(seen, j), t_lo);
-        const __m512 hi = exp2_weight(kept(seen, j + 16), t_hi);
-        const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 weights, then hi's */
-        _mm512_storeu_si512(w + j, (__m512i)pair);
-        total = _mm512_dpbf16_ps(total, pair, ones); /* as rounded, two per lane */
+#define SOFTMAX_ROWS 4 /* rows whose softmax runs interleaved: their chains overlap */
+
+/* Rows r0 .. r0 + 3: each row r's scores at positions c0 .. c0 + n - 1 (n a multiple of
+ * 32) become bf16 weights (vcvtne2ps2bf16: nearest even), 0 past the row's end; its max,
+ * sum (of the rounded weights, in pairs: vdpbf16ps against ones) and accumulator move to
+ * the chunk's max. The max is taken over the raw scores and then scaled (scale > 0 keeps
+ * the order). The rows run side by side to the longest one's end, so their max, sum and
+ * store chains overlap; a row's lanes past its own end are masked (max unchanged, weights
+ * 0, the sum adding 0), so its bits are those it has alone. */
+AMX static void softmax_rows(Scratch *x, const Amx *a, int r0, int c0, int n) {
+    const float *s[SOFTMAX_ROWS];
+    uint16_t *w[SOFTMAX_ROWS];
+    int seen[SOFTMAX_ROWS], live[SOFTMAX_ROWS], most = 0;
+    for (int i = 0; i < SOFTMAX_ROWS; i++) {
+        s[i] = x->s + (int64_t)(r0 + i) * AMX_KC;
+        w[i] = x->w + (int64_t)(r0 + i) * AMX_KC;
+        seen[i] = x->end[r0 + i] - c0;
+        live[i] = seen[i] <= 0 ? 0 : seen[i] < n ? (seen[i] + 31) / 32 * 32 : n;
+        memset(w[i] + live[i], 0, sizeof(uint16_t) * (size_t)(n - live[i])); /* past its end */
+        most = live[i] > most ? live[i] : most;
     }
-    const float factor = x->max[r] == -INFINITY ? 0.0f : fast_exp(x->max[r] - m);
-    x->sum[r] = x->sum[r] * factor + _mm512_reduce_add_ps(total);
-    x->max[r] = m;
-    if (factor != 1.0f)
-        for (int col = 0; col < d; col += 16) {
-            float *acc = x->acc + (int64_t)r * d + col;
-            _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(factor)));
+    if (most == 0) return;
+    __m512 top[SOFTMAX_ROWS], base[SOFTMAX_ROWS], total[SOFTMAX_ROWS];
+    float m[SOFTMAX_ROWS];
+    for (int i = 0; i < SOFTMAX_ROWS; i++) top[i] = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < most; j += 16)
+        for (int i = 0; i < SOFTMAX_ROWS; i++)
+            top[i] = _mm512_mask_max_ps(top[i], kept(seen[i], j), top[i], _mm512_loadu_ps(s[i] + j));
+    for (int i = 0; i < SOFTMAX_ROWS; i++) {
+        m[i] = fmaxf(_mm512_reduce_max_ps(top[i]) * a->scale, x->max[r0 + i]);
+        base[i] = _mm512_set1_ps(m[i] * 1.44269504088896341f);
+        total[i] = _mm512_setzero_ps();
+    }
+    const __m512 c = _mm512_set1_ps(a->scale * 1.44269504088896341f); /* to base 2 */
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);        /* bf16 1.0 */
+    for (int j = 0; j < most; j += 32)
+        for (int i = 0; i < SOFTMAX_ROWS; i++) {
+            const __m512 t_lo = _mm512_fmsub_ps(_mm512_loadu_ps(s[i] + j), c, base[i]);
+            const __m512 t_hi = _mm512_fmsub_ps(_mm512_loadu_ps(s[i] + j + 16), c, base[i]);
+            const __m512 lo = exp2_weight(kept(seen[i], j), t_lo);
+            const __m512 hi = exp2_weight(kept(seen[i], j + 16), t_hi);
+            const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo); /* lo's 16 weights, then hi's */
+            _mm512_storeu_si512(w[i] + j, (__m512i)pair);
+            total[i] = _mm512_dpbf16_ps(total[i], pair, ones); /* as rounded, two per lane */
         }
+    for (int i = 0; i < SOFTMAX_ROWS; i++) {
+        const int r = r0 + i, d = a->head_dim;
+        if (live[i] == 0) continue; /* nothing of this chunk: max, sum and acc stay */
+        const float factor = x->max[r] == -INFINITY ? 0.0f : fast_exp(x->max[r] - m[i]);
+        x->sum[r] = x->sum[r] * factor + _mm512_reduce_add_ps(total[i]);
+        x->max[r] = m[i];
+        if (factor != 1.0f)
+            for (int col = 0; col < d; col += 16) {
+                float *acc = x->acc + (int64_t)r * d + col;
+                _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(factor)));
+            }
+    }
 }
 
 AMX static void attend(Amx *a, int task, Scratch *x) {
@@ -228,14 +234,14 @@ AMX static void attend(Amx *a, int task, Scratch *x) {
                 tiles_2x2(x->s + (int64_t)r0 * AMX_KC + j, AMX_KC, 0,
                           x->qp + (int64_t)r0 * d, d, 32,
                           k_tile(a, h, (c0 + j) / 16, 0), k_tile(a, h, (c0 + j) / 16 + 1, 0),
-                          TILE, d / 32);
-        for (int r = 0; r < padded; r++) softmax_row(x, a, r, c0, n);
+                          TILE_BF16, d / 32);
+        for (int r = 0; r < padded; r += SOFTMAX_ROWS) softmax_rows(x, a, r, c0, n);
         for (int r0 = 0; r0 < padded; r0 += 32)
             for (int c = 0; c < d; c += 32)
                 tiles_2x2(x->acc + (int64_t)r0 * d + c, d, 1,
                           x->w + (int64_t)r0 * AMX_KC, AMX_KC, 32,
                           v_tile(a, h, c0 / 32, c / 16), v_tile(a, h, c0 / 32, c / 16 + 1),
-                          (int64_t)(d / 16) * TILE, n / 32);
+                          (int64_t)(d / 16) * TILE_BF16, n / 32);
     }
     for (int r = 0; r < rows; r++) {
         const int64_t row = (int64_t)(i0 + r / g) * a->heads + h * g + r % g;
@@ -260,9 +266,7 @@ AMX static int attend_tasks(void *arg) {
     x.sum = x.max + rows;
     x.end = (int32_t *)(x.sum + rows);
     x.w = (uint16_t *)(x.end + rows);
-    TileConfig config = {.palette = 1};
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    _tile_loadconfig(&TILES_16X64);
     for (;;) {
         const int task = __atomic_fetch_add(&a->next_task, 1, __ATOMIC_RELAXED);
         if (task >= a->tasks) break;
@@ -280,7 +284,7 @@ int kvlab_amx_ready(void) {
     ready = 0;
     if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) &&
         __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1)) {
-        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1);    /* AMX-BF16, AMX-TILE */
+        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1);    /* AMX-BF16, AMX-TILE_BF16 */
         const int avx512 = (ebx >> 16 & 1) && (ebx >> 30 & 1); /* F, BW */
         if (amx && avx512 && (eax1 >> 5 & 1))                   /* AVX512-BF16 */
             ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
