@@ -64,10 +64,10 @@ typedef struct {
 /* The first K^T tile of (kv head h, 16 positions t, dims 32 dk ..) and of V's
  * (h, 32 positions u, dims 16 ct ..). */
 static inline uint16_t *k_tile(const Amx *a, int h, int t, int dk) {
-    return a->kp + (((int64_t)h * a->blocks32 * 2 + t) * (a->head_dim / 32) + dk) * TILE_BF16;
+    return a->kp + (((int64_t)h * a->blocks32 * 2 + t) * (a->head_dim / 32) + dk) * TILE;
 }
 static inline uint16_t *v_tile(const Amx *a, int h, int u, int ct) {
-    return a->vp + (((int64_t)h * a->blocks32 + u) * (a->head_dim / 16) + ct) * TILE_BF16;
+    return a->vp + (((int64_t)h * a->blocks32 + u) * (a->head_dim / 16) + ct) * TILE;
 }
 
 /* ---- pack: 32 positions of one kv head --------------------------------------------- */
@@ -143,6 +143,21 @@ AMX static void tiles_2x2(float *c, int ldc, int load_c, const uint16_t *a, int 
     _tile_stored(1, c + 16, ldc * 4);
     _tile_stored(2, c + 16 * ldc, ldc * 4);
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+/* 2^t for t <= 0 (a scaled score minus its row's max, in base 2) to about 3e-6 relative,
+ * enough for a weight rounded to bf16 (2^-9): 2^t = 2^n 2^f with n = round(t), |f| <= 1/2,
+ * a degree-4 polynomial for 2^f (fitted for the least relative error) and vscalefps for
+ * 2^n, which gives 0 for the weights of masked lanes (keep) and below 2^-149. */
+AMX static inline __m512 exp2_weight(__mmask16 keep, __m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.5700949182e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917859772e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024745001e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312181484e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999926139e-1f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 /* The lanes of positions j .. j + 15 a row that has seen `seen` positions of the chunk
@@ -234,14 +249,14 @@ AMX static void attend(Amx *a, int task, Scratch *x) {
                 tiles_2x2(x->s + (int64_t)r0 * AMX_KC + j, AMX_KC, 0,
                           x->qp + (int64_t)r0 * d, d, 32,
                           k_tile(a, h, (c0 + j) / 16, 0), k_tile(a, h, (c0 + j) / 16 + 1, 0),
-                          TILE_BF16, d / 32);
+                          TILE, d / 32);
         for (int r = 0; r < padded; r += SOFTMAX_ROWS) softmax_rows(x, a, r, c0, n);
         for (int r0 = 0; r0 < padded; r0 += 32)
             for (int c = 0; c < d; c += 32)
                 tiles_2x2(x->acc + (int64_t)r0 * d + c, d, 1,
                           x->w + (int64_t)r0 * AMX_KC, AMX_KC, 32,
                           v_tile(a, h, c0 / 32, c / 16), v_tile(a, h, c0 / 32, c / 16 + 1),
-                          (int64_t)(d / 16) * TILE_BF16, n / 32);
+                          (int64_t)(d / 16) * TILE, n / 32);
     }
     for (int r = 0; r < rows; r++) {
         const int64_t row = (int64_t)(i0 + r / g) * a->heads + h * g + r % g;
@@ -284,7 +299,7 @@ int kvlab_amx_ready(void) {
     ready = 0;
     if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) &&
         __get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1)) {
-        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1);    /* AMX-BF16, AMX-TILE_BF16 */
+        const int amx = (edx >> 22 & 1) && (edx >> 24 & 1);    /* AMX-BF16, AMX-TILE */
         const int avx512 = (ebx >> 16 & 1) && (ebx >> 30 & 1); /* F, BW */
         if (amx && avx512 && (eax1 >> 5 & 1))                   /* AVX512-BF16 */
             ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;

@@ -6,10 +6,9 @@
     cpu_kernels_have(dtype)            whether this build computes in dtype
     native_function(name, argtypes)    an entry point of the library, its ctypes signature set
 
-SOURCES (the thread pool, the decode kernel and its AMX tiles, the prompt kernels, bf16
-prompts on AMX tiles, a layer's fused bf16 elementwise ops, bf16 linears on AMX tiles, a
-decode step's layer in two calls and fp32 linears streamed; cpu_common.h is what they
-share) compile on first use
+SOURCES (the thread pool, the decode and the prompt kernels, bf16 prompts on AMX tiles, a
+layer's fused bf16 elementwise ops, bf16 linears on AMX tiles, a decode step's layer in
+two calls and fp32 linears streamed; cpu_common.h is what they share) compile on first use
 with the system's C compiler (`$CC`, else cc/gcc/clang) into `$XDG_CACHE_HOME/kvlab/kernels/`
 (default ~/.cache), named by a hash of the sources, flags, compiler version and CPU,
 compiled to a temporary file and renamed into place, so concurrent processes are safe.
@@ -42,8 +41,8 @@ HERE = Path(__file__).parent
 SOURCES = tuple(
     HERE / name
     for name in (
-        "cpu_pool.c", "cpu_decode.c", "cpu_decode_amx.c", "cpu_prefill.c", "cpu_amx.c",
-        "cpu_fused.c", "cpu_invariant.c", "cpu_linear.c", "cpu_layer.c", "cpu_stream.c",
+        "cpu_pool.c", "cpu_decode.c", "cpu_prefill.c", "cpu_amx.c", "cpu_fused.c",
+        "cpu_invariant.c", "cpu_linear.c", "cpu_layer.c", "cpu_stream.c",
     )
 )  # fmt: skip
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_tiles.h", HERE / "cpu_amx.h")

@@ -37,9 +37,6 @@
  * K with head_dim a multiple of 32 take vdpbf16ps in the score pass: 32 products (exact in
  * fp32, as the widened ones) per instruction, each lane summing a pair, where the widened
  * path loads, widens and multiplies 16 at a time.
- * Where the CPU has AMX-BF16 (kvlab_amx_ready), bf16 q and K/V with head_dim a multiple of
- * 32 take the tile unit instead (cpu_decode_amx.c: the same tasks, merged the same way, the
- * weights rounded to bf16 for the value products); `amx` picks the path.
  * exp is a range-reduced polynomial (~1 ulp), branch-free. Records PREFETCH_AHEAD
  * positions ahead are prefetched into L1 (blocks are scattered, so the hardware prefetcher
  * cannot guess where the next one starts; eight records of a SmolLM2 layer are 6 KB, well
@@ -55,7 +52,6 @@
  * Returns 0, or a KVLAB_E* code.
  */
 
-#include "cpu_amx.h"
 #include "cpu_common.h"
 
 #if defined(__AVX512BF16__) && V == 16 /* vdpbf16ps: bf16 pairs multiplied, summed in fp32 */
@@ -93,7 +89,6 @@ typedef struct {
     const float *prior_out;     /* cascade: (B, heads, head_dim) fp32 over a shared prefix, */
     const float *prior_lse;     /* (B, heads) its log-sum-exp, merged in first; else NULL */
     int next_task;              /* the shared counter threads take tasks from */
-    int amx;                    /* 1: every task on tiles (cpu_decode_amx.c) */
 } Problem;
 
 typedef struct {        /* one thread's scratch, all fp32, for a task's m sequences */
@@ -101,8 +96,7 @@ typedef struct {        /* one thread's scratch, all fp32, for a task's m sequen
     float *acc;         /* likewise */
     float *scores;      /* (kv_heads, m, group, CHUNK) */
     float *maxes, *sums; /* (kv_heads, m, group) */
-    uint16_t *q_bf16;    /* q's bf16 values in q's layout, for the pairs and tile paths */
-    void *tiles;         /* the tile path's scratch (kvlab_decode_amx_bytes), or NULL */
+    uint16_t *q_bf16;    /* q's bf16 values in q's layout, for the pairs path */
 } Scratch;
 
 /* ---- vector helpers ----------------------------------------------------------------- */
@@ -364,27 +358,18 @@ static ALWAYS_INLINE void task_body(Problem *p, int task, Scratch *s, int d, int
         for (int h = 0; h < heads; h++) {
             const int64_t from = ((int64_t)seqs[i] * heads + h) * d;
             const int64_t row = ((int64_t)(h / g * m + i) * g + h % g) * d;
-            if (pairs || p->amx) /* the score pass reads q's bf16 values as they are */
+            if (pairs) /* the score pass reads q's bf16 values as they are */
                 memcpy(s->q_bf16 + row, (const uint16_t *)p->q + from, 2 * (size_t)d);
             else
                 for (int c = 0; c < d; c++) s->q[row + c] = load(p->q, p->dtype_q, from + c);
         }
-    if (p->amx) {
-#if KVLAB_AMX_BUILT
-        const DecodeChunk c = {s->q_bf16, p->k, p->v, slots, n, CHUNK, p->kv_heads, gm, d,
-                               p->k_slot_stride, p->k_head_stride, p->v_slot_stride,
-                               p->v_head_stride, p->scale, s->acc, s->maxes, s->sums};
-        kvlab_decode_amx(&c, s->tiles);
-#endif
-    } else {
-        score_pass(p, slots, n, s, d, dtype, gm, pairs);
-        for (int r = 0; r < rows; r++) {
-            float *row = s->scores + (int64_t)r * CHUNK;
-            s->maxes[r] = max_of(row, n);
-            s->sums[r] = exp_shifted(row, n, s->maxes[r]);
-        }
-        value_pass(p, slots, n, s, d, dtype, gm);
+    score_pass(p, slots, n, s, d, dtype, gm, pairs);
+    for (int r = 0; r < rows; r++) {
+        float *row = s->scores + (int64_t)r * CHUNK;
+        s->maxes[r] = max_of(row, n);
+        s->sums[r] = exp_shifted(row, n, s->maxes[r]);
     }
+    value_pass(p, slots, n, s, d, dtype, gm);
     for (int i = 0; i < m; i++) {
         const int b = seqs[i], chunks = p->first_chunk[b + 1] - p->first_chunk[b];
         const int64_t q_row = (int64_t)b * heads * d;
@@ -456,27 +441,12 @@ static int take_tasks(Problem *p) {
     float *buf = malloc(sizeof(float) * (2 * hd + rows * (CHUNK + 2)) + 2 * hd);
     if (!buf) return KVLAB_ENOMEM;
     float *scores = buf + 2 * hd, *maxes = scores + rows * CHUNK;
-    Scratch s = {buf, buf + hd, scores, maxes, maxes + rows, (uint16_t *)(maxes + 2 * rows), NULL};
-#if KVLAB_AMX_BUILT
-    if (p->amx) {
-        s.tiles = malloc(kvlab_decode_amx_bytes(CHUNK, p->kv_heads, p->group * p->most_members,
-                                                p->head_dim));
-        if (!s.tiles) {
-            free(buf);
-            return KVLAB_ENOMEM;
-        }
-        kvlab_decode_amx_begin();
-    }
-#endif
+    Scratch s = {buf, buf + hd, scores, maxes, maxes + rows, (uint16_t *)(maxes + 2 * rows)};
     for (;;) {
         const int t = __atomic_fetch_add(&p->next_task, 1, __ATOMIC_RELAXED);
         if (t >= p->tasks) break;
         run_task(p, t, &s);
     }
-#if KVLAB_AMX_BUILT
-    if (p->amx) kvlab_decode_amx_end();
-#endif
-    free(s.tiles);
     free(buf);
     return KVLAB_OK;
 }
@@ -642,26 +612,19 @@ int kvlab_decode_members(void) { return MAX_MEMBERS; }
  * the given element strides, last dim contiguous; slots: (B, max_len) with row stride
  * slots_stride; lens: (B,) each in [1, max_len]. prior_out (B, heads, head_dim) and
  * prior_lse (B, heads), fp32, or both NULL: the attention each row already has over other
- * positions (cascade attention's shared prefix, kvlab_prefix_amx), merged into out.
- * amx: 1 every task on AMX tiles (cpu_decode_amx.c; KVLAB_ENOAMX where kvlab_amx_ready() is
- * 0, KVLAB_EARG unless q and K/V are bf16, head_dim a multiple of 32 up to 256 and scale >
- * 0), 0 the vector path, -1 tiles wherever they can run. */
+ * positions (cascade attention's shared prefix, kvlab_prefix_amx), merged into out. */
 int kvlab_paged_decode(const void *q, const void *k, const void *v, void *out, int dtype_q,
                        int dtype_kv, const int64_t *slots, int64_t slots_stride,
                        const int64_t *lens, int64_t max_len, int64_t num_slots,
                        int64_t k_slot_stride, int64_t k_head_stride, int64_t v_slot_stride,
                        int64_t v_head_stride, int B, int heads, int kv_heads, int head_dim,
-                       float scale, const float *prior_out, const float *prior_lse, int amx,
+                       float scale, const float *prior_out, const float *prior_lse,
                        int num_threads) {
     Problem p = {q, k, v, out, dtype_q, dtype_kv, slots, slots_stride, lens, max_len,
                  k_slot_stride, k_head_stride, v_slot_stride, v_head_stride,
                  B, heads, kv_heads, head_dim, kv_heads > 0 ? heads / kv_heads : 0, scale,
-                 0, 0, 1, NULL, NULL, NULL, NULL, NULL, prior_out, prior_lse, 0, 0};
-    if (!prior_out != !prior_lse || amx < -1 || amx > 1) return KVLAB_EARG;
-    const int takes = dtype_q == DT_BF16 && dtype_kv == DT_BF16 && head_dim % 32 == 0 &&
-                      head_dim <= 256 && scale > 0.0f;
-    if (amx == 1 && !(takes && kvlab_amx_ready())) return takes ? KVLAB_ENOAMX : KVLAB_EARG;
-    p.amx = amx == 1 || (amx == -1 && takes && kvlab_amx_ready());
+                 0, 0, 1, NULL, NULL, NULL, NULL, NULL, prior_out, prior_lse, 0};
+    if (!prior_out != !prior_lse) return KVLAB_EARG;
     int status = check_args(&p, num_slots);
     if (status != KVLAB_OK || B == 0) return status;
     return run_problem(&p, num_threads);

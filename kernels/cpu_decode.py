@@ -25,16 +25,14 @@ the memory traffic. `cpu_decode.c` instead reads each K and V row once, where it
 * **Vectorised C, torch's threads.** 16-float GNU vectors (8-float without AVX-512); the
   score pass sums as many dot products' lanes together with a shuffle tree; bf16/fp16 are
   widened as they are loaded (bf16 q and K multiply in pairs, vdpbf16ps, where the build
-  targets AVX512-BF16; on a CPU with AMX-BF16 they take the tile unit instead, which reads
-  K and V as they lie and rounds the weights to bf16, `cpu_decode_amx.c`); records a few
-  positions ahead are prefetched into L1 (scattered blocks defeat the hardware
-  prefetcher). The tasks are taken from a shared
+  targets AVX512-BF16); records a few positions ahead are prefetched into L1
+  (scattered blocks defeat the hardware prefetcher). The tasks are taken from a shared
   counter by the calling thread and `torch.get_num_threads() - 1` helpers: torch's own
   OpenMP threads where torch runs on OpenMP, else pthreads the library starts once and
   which sleep between calls (kernels/cpu_build.py). Calls from several Python threads run
   one at a time; a forked child starts its own helpers.
 
-The C files are built with the other native kernels by kernels/cpu_build.py.
+The C file is built with the other native kernels by kernels/cpu_build.py.
 
 Shapes: q (B, heads, head_dim) float32/bfloat16 (float16 where the compiler has _Float16);
 k_cache, v_cache (num_slots, kv_heads, head_dim), same dtypes, last dim contiguous (a layer
@@ -58,7 +56,6 @@ ERRORS = {  # kvlab_paged_decode's return codes
     1: "invalid arguments",
     2: "every lens[b] must be in [1, S], S = slots.shape[1]",
     3: "slots[b, j] for j < lens[b] must be in [0, num_slots)",
-    5: "this CPU, OS or build has no AMX-BF16 tiles",
 }
 SIGNATURE = (
     [ctypes.c_void_p] * 4  # q, k, v, out
@@ -67,7 +64,7 @@ SIGNATURE = (
     + [ctypes.c_int64] * 6  # max_len, num_slots, k and v slot/head strides
     + [ctypes.c_int] * 4  # B, heads, kv_heads, head_dim
     + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]  # scale, prior_out, prior_lse
-    + [ctypes.c_int] * 2  # amx, num_threads
+    + [ctypes.c_int]  # num_threads
 )
 
 
@@ -86,24 +83,14 @@ def cpu_paged_decode_attention(
     lens: torch.Tensor,
     scale: float,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-    amx: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence over its first lens[b] slots, GQA; see above.
 
     prior: (out, lse), fp32 (B, heads, head_dim) and (B, heads): each row's attention over
     other positions and its log-sum-exp (cascade attention's shared prefix,
     kvlab.kernels.cpu_cascade), merged into the result as if those positions came first.
-    amx: True runs every task on AMX tiles (kernels/cpu_decode_amx.c: bf16 q and caches,
-    head_dim a multiple of 32 up to 256, scale > 0; the weights rounded to bf16), False the
-    vector path, None the tiles wherever the CPU runs them.
     """
     _check(q, k_cache, v_cache, slots, lens, scale)
-    if amx and not (q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
-                    and q.shape[-1] <= 256 and scale > 0):  # fmt: skip
-        raise ValueError(
-            "amx=True needs bf16 q and caches, head_dim a multiple of 32 up to 256 and "
-            f"scale > 0; got {q.dtype}, {k_cache.dtype}, head_dim {q.shape[-1]}, scale {scale}"
-        )
     if prior is not None:
         shapes = (q.shape, q.shape[:2])
         if any(t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous()
@@ -116,7 +103,7 @@ def cpu_paged_decode_attention(
     lens = lens.contiguous()  # (B,)
     out = torch.empty_like(q)  # (B, heads, head_dim)
     if q.shape[0] > 0:
-        status = kernel(*_arguments(q, k_cache, v_cache, out, slots, lens, scale, prior, amx))
+        status = kernel(*_arguments(q, k_cache, v_cache, out, slots, lens, scale, prior))
         raise_for(status, "cpu_paged_decode_attention", ERRORS)
     return out
 
@@ -170,7 +157,7 @@ def _check(q, k_cache, v_cache, slots, lens, scale) -> None:
         raise ValueError("slots must have at least one column")
 
 
-def _arguments(q, k_cache, v_cache, out, slots, lens, scale, prior=None, amx=None) -> tuple:
+def _arguments(q, k_cache, v_cache, out, slots, lens, scale, prior=None) -> tuple:
     """kvlab_paged_decode's arguments, in order."""
     batch, heads, head_dim = q.shape
     return (
@@ -196,6 +183,5 @@ def _arguments(q, k_cache, v_cache, out, slots, lens, scale, prior=None, amx=Non
         float(scale),
         None if prior is None else prior[0].data_ptr(),
         None if prior is None else prior[1].data_ptr(),
-        -1 if amx is None else int(amx),
         torch.get_num_threads(),
     )

@@ -32,7 +32,7 @@ int kvlab_linear_pack(const uint16_t *w, int64_t w_stride, int64_t n, int64_t k,
     for (int64_t jp = 0; jp < n / 32; jp++)
         for (int64_t s = 0; s < steps; s++)
             for (int h = 0; h < 2; h++) {
-                uint16_t *tile = packed + ((jp * steps + s) * 2 + h) * TILE_BF16;
+                uint16_t *tile = packed + ((jp * steps + s) * 2 + h) * TILE;
                 for (int p = 0; p < 16; p++)
                     for (int c = 0; c < 16; c++) {
                         const uint16_t *src = w + (32 * jp + 16 * h + c) * w_stride + 32 * s + 2 * p;
@@ -58,15 +58,15 @@ AMX static void column_pairs(const Linear *l, int64_t jp0, int64_t jp1) {
     const int two = l->rows > 16; /* a second block of 16 rows */
     float acc[32 * 32];           /* (rows, 32 columns) fp32 */
     for (int64_t jp = jp0; jp < jp1; jp++) {
-        const uint16_t *b = l->w + jp * steps * 2 * TILE_BF16;
+        const uint16_t *b = l->w + jp * steps * 2 * TILE;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t s = 0; s < steps; s++, b += 2 * TILE_BF16) {
+        for (int64_t s = 0; s < steps; s++, b += 2 * TILE) {
             _tile_loadd(4, l->x + s * 32, lda);
             _tile_loadd(6, b, 64);
-            _tile_loadd(7, b + TILE_BF16, 64);
+            _tile_loadd(7, b + TILE, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (two) {
