@@ -1,10 +1,14 @@
-"""Seeded sampling is reproducible; degenerate filters reduce to greedy."""
+"""Seeded sampling is reproducible; degenerate filters reduce to greedy; greedy rows take
+the first maximal logit, as argmax."""
 
 from __future__ import annotations
 
+import torch
 from conftest import small_engine
 
 import kvlab
+from kvlab.engine.sampler import sample
+from kvlab.sequence import Sequence
 
 
 def test_seeded_sampling_is_reproducible(model, chat_prompts):
@@ -33,3 +37,18 @@ def test_metrics_are_consistent(model, chat_prompts):
     assert m.arrival_s <= m.first_token_s <= m.finish_s
     assert m.ttft_s > 0 and m.tpot_s >= 0
     assert m.num_output_tokens == len(out.token_ids)
+
+
+def test_greedy_rows_take_the_first_maximal_logit_as_argmax():
+    """sample() picks greedy tokens with max(dim) (faster than argmax on the CPU): ties go
+    to the first index, NaN wins, as argmax, in fp32 and bf16."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen)
+    logits[1, [5, 40000]] = 99.0  # a tie: index 5
+    logits[2, [3, 4, 70]] = float("inf")
+    logits[3, 123] = float("nan")
+    seqs = [Sequence(i, [1, 2, 3], kvlab.SamplingParams(max_new_tokens=1)) for i in range(6)]
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype)
+        assert sample(rows, seqs) == rows.argmax(dim=-1).tolist()
+    assert sample(logits, seqs)[1:4] == [5, 3, 123]
