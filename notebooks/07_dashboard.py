@@ -402,9 +402,9 @@ for machine, suffix, cls in [("Xeon", {"fp32": "_xeon", "bf16": "_bf16"}, "avx51
 
 # %% [markdown]
 # On the Xeon kvlab is **ahead** of compiled vLLM on uniform chat in both dtypes: fp32
-# (**1.48x**<!-- out -->) and bf16 (**1.28x**<!-- out -->), past the 1.2x issue 48 asks; on
+# (**1.48x**<!-- out -->) and bf16 (**1.40x**<!-- out -->), past the 1.2x issue 48 asks; on
 # doc-QA it is ahead by less, in fp32 (**1.22x**<!-- out -->, just past 1.2x) and in
-# bf16 (**1.05x**<!-- out -->, short of it). On the EPYC it is ahead on uniform chat, fp32
+# bf16 (**1.04x**<!-- out -->, short of it). On the EPYC it is ahead on uniform chat, fp32
 # (**1.48x**<!-- out -->) and bf16 (**1.72x**<!-- out -->), and on doc-QA in bf16
 # (**1.25x**<!-- out -->). On doc-QA in fp32 the first run gave **1.21x**<!-- out -->, but
 # vLLM ran slow in it (67.4<!-- out --> tok/s, against 80.4<!-- out --> in the run
@@ -414,7 +414,7 @@ for machine, suffix, cls in [("Xeon", {"fp32": "_xeon", "bf16": "_bf16"}, "avx51
 # in fp32 on uniform chat (**1.56x**<!-- out -->) and on doc-QA (**1.34x**<!-- out -->);
 # bf16 was not run against vLLM there, since without bf16 instructions kvlab's bf16
 # matrix products fall back to torch's slow ones. Each is
-# one run's median of five rounds (the Xeon's rounds spread by at most 1.12). In fp32
+# one run's median of five rounds (the Xeon's rounds spread by at most 1.16). In fp32
 # every token is equal; in bf16 each engine's rounding steers greedy
 # answers apart after a few tokens. Doc-QA spends most of its time on prompts, whose fp32
 # matrix products run near the CPU's peak in both engines, and on the Xeon in bf16 on
