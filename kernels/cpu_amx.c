@@ -193,7 +193,8 @@ AMX static void softmax_rows(Scratch *x, const Amx *a, int r0, int c0, int n) {
     for (int i = 0; i < SOFTMAX_ROWS; i++) top[i] = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < most; j += 16)
         for (int i = 0; i < SOFTMAX_ROWS; i++)
-            top[i] = _mm512_mask_max_ps(top[i], kept(seen[i], j), top[i], _mm512_loadu_ps(s[i] + j));
+            top[i] = _mm512_mask_max_ps(top[i], kept(seen[i], j), top[i],
+                                        _mm512_loadu_ps(s[i] + j));
     for (int i = 0; i < SOFTMAX_ROWS; i++) {
         m[i] = fmaxf(_mm512_reduce_max_ps(top[i]) * a->scale, x->max[r0 + i]);
         base[i] = _mm512_set1_ps(m[i] * 1.44269504088896341f);
@@ -220,7 +221,8 @@ AMX static void softmax_rows(Scratch *x, const Amx *a, int r0, int c0, int n) {
         if (factor != 1.0f)
             for (int col = 0; col < d; col += 16) {
                 float *acc = x->acc + (int64_t)r * d + col;
-                _mm512_storeu_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(factor)));
+                const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(factor));
+                _mm512_storeu_ps(acc, scaled);
             }
     }
 }
@@ -250,7 +252,8 @@ AMX static void attend(Amx *a, int task, Scratch *x) {
                           x->qp + (int64_t)r0 * d, d, 32,
                           k_tile(a, h, (c0 + j) / 16, 0), k_tile(a, h, (c0 + j) / 16 + 1, 0),
                           TILE, d / 32);
-        for (int r = 0; r < padded; r += SOFTMAX_ROWS) softmax_rows(x, a, r, c0, n);
+        for (int r = 0; r < padded; r += SOFTMAX_ROWS) /* padded: a multiple of 32 */
+            softmax_rows(x, a, r, c0, n);
         for (int r0 = 0; r0 < padded; r0 += 32)
             for (int c = 0; c < d; c += 32)
                 tiles_2x2(x->acc + (int64_t)r0 * d + c, d, 1,
